@@ -1,0 +1,1 @@
+"""EmbeddingGemma engine: checkpoint loading, tokenisation and the packed varlen Gemma3 encoder."""

@@ -1,0 +1,134 @@
+"""One config object per loaded checkpoint: Gemma3 shapes from config.json plus the sentence-transformers
+modules (pooling, Dense projector, Normalize, prompts, max_seq_length) from the files around it."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+class CheckpointError(ValueError):
+    """The checkpoint directory is unusable; the message names the file or weight at fault."""
+
+
+def _read_json(path: Path) -> dict | list:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"missing {path}") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path} is not valid JSON: {e}") from None
+
+
+@dataclass(frozen=True)
+class DenseSpec:
+    path: Path  # directory holding config.json and model.safetensors
+    in_features: int
+    out_features: int
+    bias: bool
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: Path
+    vocab_size: int
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    eps: float
+    attn_scale: float
+    window: int  # attend where |i - j| <= window on sliding layers (two-sided)
+    sliding: tuple[bool, ...]  # per layer
+    rope_base_local: float
+    rope_base_global: float
+    max_positions: int
+    max_seq_length: int  # tokenizer truncation (sentence-transformers' max_seq_length)
+    bos_id: int
+    eos_id: int
+    pad_id: int
+    dense: tuple[DenseSpec, ...] = ()
+    normalize: bool = False
+    prompts: dict[str, str] = field(default_factory=dict)
+    default_prompt_name: str | None = None
+
+    @property
+    def out_dim(self) -> int:
+        return self.dense[-1].out_features if self.dense else self.hidden
+
+    @classmethod
+    def load(cls, path: str | Path) -> "ModelConfig":
+        path = Path(path).expanduser().resolve()
+        if not path.is_dir():
+            raise CheckpointError(f"checkpoint directory {path} does not exist")
+        c = _read_json(path / "config.json")
+        if c.get("model_type") not in ("gemma3_text", "gemma3"):
+            raise CheckpointError(f"{path}/config.json: model_type {c.get('model_type')!r} is not gemma3_text")
+        if not c.get("use_bidirectional_attention", False):
+            raise CheckpointError(f"{path}/config.json: use_bidirectional_attention is not true; "
+                                  "this engine serves the bidirectional (embedding) Gemma3 only")
+        if c.get("rope_scaling") or c.get("attn_logit_softcapping"):
+            raise CheckpointError(f"{path}/config.json: rope_scaling / attn_logit_softcapping are not supported")
+        n = c["num_hidden_layers"]
+        types = c.get("layer_types") or [
+            "full_attention" if (i + 1) % c.get("_sliding_window_pattern", c.get("sliding_window_pattern", 6)) == 0
+            else "sliding_attention" for i in range(n)]
+        rope = c.get("rope_parameters") or {}
+        base_global = rope.get("full_attention", {}).get("rope_theta", c.get("rope_theta", 1_000_000.0))
+        base_local = rope.get("sliding_attention", {}).get("rope_theta", c.get("rope_local_base_freq", 10_000.0))
+        # transformers turns the config's window into `sliding_window // 2 + 1` and masks |i-j| < that.
+        window = c["sliding_window"] // 2
+        st = _sentence_transformers_modules(path)
+        max_pos = c.get("max_position_embeddings", 2048)
+        return cls(
+            path=path, vocab_size=c["vocab_size"], hidden=c["hidden_size"], layers=n,
+            heads=c["num_attention_heads"], kv_heads=c["num_key_value_heads"], head_dim=c["head_dim"],
+            intermediate=c["intermediate_size"], eps=c.get("rms_norm_eps", 1e-6),
+            attn_scale=c.get("query_pre_attn_scalar", c["head_dim"]) ** -0.5, window=window,
+            sliding=tuple(t == "sliding_attention" for t in types),
+            rope_base_local=float(base_local), rope_base_global=float(base_global),
+            max_positions=max_pos, max_seq_length=min(st.pop("max_seq_length", max_pos), max_pos),
+            bos_id=c.get("bos_token_id", 2), eos_id=c.get("eos_token_id", 1), pad_id=c.get("pad_token_id", 0),
+            **st)
+
+
+def _sentence_transformers_modules(path: Path) -> dict:
+    """Pooling / Dense / Normalize / prompts as sentence-transformers would build them. A bare Gemma3
+    checkpoint (no modules.json) gets what sentence-transformers gives it: mean pooling, nothing else."""
+    out: dict = {}
+    if (path / "sentence_bert_config.json").exists():
+        out["max_seq_length"] = _read_json(path / "sentence_bert_config.json").get("max_seq_length")
+        if out["max_seq_length"] is None:
+            del out["max_seq_length"]
+    if (path / "config_sentence_transformers.json").exists():
+        stc = _read_json(path / "config_sentence_transformers.json")
+        out["prompts"] = dict(stc.get("prompts") or {})
+        out["default_prompt_name"] = stc.get("default_prompt_name")
+    if not (path / "modules.json").exists():
+        return out
+    dense, normalize = [], False
+    for m in _read_json(path / "modules.json"):
+        kind = m["type"].rsplit(".", 1)[-1]
+        mdir = path / m.get("path", "")
+        if kind == "Transformer":
+            continue
+        if kind == "Pooling":
+            p = _read_json(mdir / "config.json")
+            modes = [k for k, v in p.items() if k.startswith("pooling_mode") and v]
+            if modes != ["pooling_mode_mean_tokens"] or not p.get("include_prompt", True):
+                raise CheckpointError(f"{mdir}: only mean pooling over all tokens is supported, got {p}")
+        elif kind == "Dense":
+            d = _read_json(mdir / "config.json")
+            act = d.get("activation_function", "torch.nn.modules.linear.Identity")
+            if not act.endswith("Identity"):
+                raise CheckpointError(f"{mdir}: Dense activation {act} is not supported (Identity only)")
+            dense.append(DenseSpec(mdir, d["in_features"], d["out_features"], bool(d.get("bias", True))))
+        elif kind == "Normalize":
+            normalize = True
+        else:
+            raise CheckpointError(f"{path}/modules.json: module type {m['type']} is not supported")
+    out["dense"] = tuple(dense)
+    out["normalize"] = normalize
+    return out

@@ -1,0 +1,113 @@
+"""The engine: packs token-id sequences into varlen batches, runs the encoder (CUDA-graph replay on GPU,
+eager elsewhere) and returns pooled embeddings. Importable and testable without Triton."""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from egemma.config import ModelConfig
+from egemma.model import Encoder, Packed
+from kernels.select import ATTENTION_BACKENDS, attention_fn, available_attention_backends, make_ops
+
+log = logging.getLogger("egemma")
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    checkpoint: str
+    device: str = "auto"  # "auto": cuda when present, else cpu
+    dtype: str = "auto"  # "auto": bfloat16 on cuda, float32 on cpu. fp16 overflows in Gemma3: refused.
+    norm_backend: str = "auto"  # auto | sgl-kernel | triton | native
+    attention_backend: str = "auto"  # auto (timed per bucket) | fa3 | fa2 | native
+    cuda_graphs: bool = True
+    max_tokens: int = 16384  # tokens per forward; the largest graph bucket. Larger batches are split.
+    max_seqs: int = 256  # sequences per forward
+
+    @classmethod
+    def from_params(cls, checkpoint: str, params: dict[str, str]) -> "EngineConfig":
+        """From config.pbtxt string parameters; unknown keys are an error."""
+        fields = {f: cls.__dataclass_fields__[f].type for f in cls.__dataclass_fields__ if f != "checkpoint"}
+        unknown = set(params) - set(fields)
+        if unknown:
+            raise ValueError(f"unknown encoder parameters {sorted(unknown)}; known: {sorted(fields)}")
+        kw = {}
+        for k, v in params.items():
+            kw[k] = v.lower() in ("1", "true", "yes") if fields[k] == "bool" else int(v) if fields[k] == "int" else v
+        return cls(checkpoint=checkpoint, **kw)
+
+
+class Engine:
+    def __init__(self, ec: EngineConfig):
+        t0 = time.perf_counter()
+        self.ec = ec
+        self.cfg = cfg = ModelConfig.load(ec.checkpoint)
+        self.device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if ec.device == "auto"
+                                   else ec.device)
+        dtype = ec.dtype if ec.dtype != "auto" else ("bfloat16" if self.device.type == "cuda" else "float32")
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype {dtype!r} is not supported (choose from {list(DTYPES)}; fp16 overflows)")
+        if ec.max_tokens < cfg.max_seq_length:
+            raise ValueError(f"max_tokens {ec.max_tokens} < max_seq_length {cfg.max_seq_length}")
+        self.model = Encoder(cfg, DTYPES[dtype], self.device)
+        self.ops = make_ops(ec.norm_backend, self.device)
+        have = available_attention_backends(self.device)
+        if ec.attention_backend != "auto" and ec.attention_backend not in have:
+            raise RuntimeError(f"attention backend {ec.attention_backend!r} is not available on {self.device} "
+                               f"(available: {have}; known: {ATTENTION_BACKENDS})")
+        self.attn_candidates = have if ec.attention_backend == "auto" else [ec.attention_backend]
+        log.info("egemma: %s on %s %s, norms=%s, attention candidates=%s, loaded in %.1fs", cfg.path,
+                 self.device, dtype, self.ops.name, self.attn_candidates, time.perf_counter() - t0)
+        self.graphs = None
+        if self.device.type == "cuda":
+            from egemma.graphs import GraphRunner
+            self.graphs = GraphRunner(self, capture=ec.cuda_graphs)
+        self.stats = {"graph_replays": 0, "eager_runs": 0, "tokens": 0}
+
+    def check(self, seq: np.ndarray) -> str | None:
+        """Why this id sequence cannot be embedded, or None."""
+        if seq.ndim != 1 or seq.size == 0:
+            return "an id sequence must be 1-D and non-empty"
+        if seq.size > self.cfg.max_positions:
+            return f"sequence of {seq.size} tokens exceeds the model's {self.cfg.max_positions} positions"
+        lo, hi = int(seq.min()), int(seq.max())
+        if lo < 0 or hi >= self.cfg.vocab_size:
+            return f"token id {lo if lo < 0 else hi} outside the vocabulary [0, {self.cfg.vocab_size})"
+        return None
+
+    def chunks(self, lengths: list[int]) -> list[tuple[int, int]]:
+        """Consecutive [start, end) ranges of sequences that fit one forward (max_tokens, max_seqs)."""
+        out, start, tokens = [], 0, 0
+        for i, n in enumerate(lengths):
+            if i > start and (tokens + n > self.ec.max_tokens or i - start >= self.ec.max_seqs):
+                out.append((start, i))
+                start, tokens = i, 0
+            tokens += n
+        if start < len(lengths):
+            out.append((start, len(lengths)))
+        return out
+
+    @torch.inference_mode()
+    def embed(self, seqs: list[np.ndarray]) -> np.ndarray:
+        """Embeddings [B, out_dim] fp32 for B id sequences (each already checked)."""
+        lengths = [len(s) for s in seqs]
+        out = np.empty((len(seqs), self.cfg.out_dim), dtype=np.float32)
+        for a, b in self.chunks(lengths):
+            ids = torch.from_numpy(np.concatenate(seqs[a:b]).astype(np.int64, copy=False))
+            self.stats["tokens"] += ids.numel()
+            if self.graphs is not None:
+                out[a:b] = self.graphs.run(ids, lengths[a:b])
+            else:
+                self.stats["eager_runs"] += 1
+                out[a:b] = self.forward_eager(Packed.from_lengths(ids, lengths[a:b], self.device)).cpu().numpy()
+        return out
+
+    def forward_eager(self, b: Packed, attn=None) -> torch.Tensor:
+        attn = attn or (attention_fn(self.attn_candidates[0]),) * 2
+        x = self.model.forward(b, self.ops, attn)
+        return self.model.pool(x, b.seq_idx, b.lengths)

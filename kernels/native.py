@@ -1,0 +1,62 @@
+"""Torch-native reference of every fused op. These define the numbers: each faster kernel is tested
+against its twin here. Gemma norms scale by (1 + w) and compute in fp32."""
+import torch
+import torch.nn.functional as F
+
+
+def rmsnorm(x, w, eps):  # [T, D] -> [T, D]
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * (1.0 + w.float())).to(x.dtype)
+
+
+def add_rmsnorm(x, residual, w, eps):
+    """residual += x; x = rmsnorm(residual). In place, as the fused kernels do."""
+    residual.add_(x)
+    x.copy_(rmsnorm(residual, w, eps))
+
+
+def gelu_tanh_and_mul(gate_up):  # [T, 2I] -> [T, I]
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+def rope_table(base, head_dim, max_pos, device):
+    """cos / sin [max_pos, head_dim // 2] fp32, computed as transformers' default RoPE does."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
+    freqs = torch.arange(max_pos, device=device).float()[:, None] * inv_freq[None, :]
+    return torch.cos(freqs), torch.sin(freqs)
+
+
+def qk_norm_rope(qkv, pos, q_w, k_w, cos, sin, heads, kv_heads, eps):
+    """Split the joined qkv GEMM output, RMS-normalise q and k per head, rotate them (rotate-half RoPE).
+    qkv [T, (H + 2 Hkv) * Dh] -> q [T, H, Dh], k [T, Hkv, Dh], v [T, Hkv, Dh]."""
+    T = qkv.shape[0]
+    q, k, v = qkv.view(T, heads + 2 * kv_heads, -1).split([heads, kv_heads, kv_heads], dim=1)
+    c, s = cos[pos][:, None, :], sin[pos][:, None, :]  # [T, 1, Dh/2]
+
+    def norm_rope(x, w):
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + w.float())
+        x1, x2 = xf.chunk(2, dim=-1)
+        return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
+
+    return norm_rope(q, q_w), norm_rope(k, k_w), v
+
+
+def attention(q, k, v, cu_seqlens, max_seqlen, window, scale):
+    """Bidirectional attention within each packed sequence, |i - j| <= window when window >= 0.
+    q [T, H, Dh], k/v [T, Hkv, Dh] -> [T, H, Dh]. One SDPA call per sequence."""
+    out = torch.empty_like(q)
+    bounds = cu_seqlens.tolist()
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        if b == a:
+            continue
+        mask = None
+        if 0 <= window < b - a:
+            i = torch.arange(b - a, device=q.device)
+            mask = (i[:, None] - i[None, :]).abs() <= window
+        o = F.scaled_dot_product_attention(q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1),
+                                           attn_mask=mask, scale=scale, enable_gqa=True)
+        out[a:b] = o.transpose(0, 1)
+    return out

@@ -1,0 +1,103 @@
+"""Triton-lang versions of the fused ops, for hosts without sgl-kernel and for the fused q/k-norm + RoPE that
+no library provides. Each matches its twin in `kernels.native` to fp32 rounding (tests/test_kernels.py).
+They also run under TRITON_INTERPRET=1 on CPU, which is how CI tests them."""
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, D, eps, sx, sr, so,
+                    HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    m = cols < D
+    x = tl.load(x_ptr + row * sx + cols, mask=m, other=0.0).to(tl.float32)
+    if HAS_RES:
+        x += tl.load(res_ptr + row * sr + cols, mask=m, other=0.0).to(tl.float32)
+        x = x.to(res_ptr.dtype.element_ty)  # the reference normalises the stored (rounded) residual
+        tl.store(res_ptr + row * sr + cols, x, mask=m)
+        x = x.to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
+    r = tl.rsqrt(tl.sum(x * x, 0) / D + eps)
+    tl.store(out_ptr + row * so + cols, (x * r * (1.0 + w)).to(out_ptr.dtype.element_ty), mask=m)
+
+
+def rmsnorm(x, w, eps):  # [T, D] -> [T, D]
+    out = torch.empty_like(x)
+    if x.shape[0]:
+        _rmsnorm_kernel[(x.shape[0],)](x, x, w, out, x.shape[1], eps, x.stride(0), 0, out.stride(0),
+                                       HAS_RES=False, BLOCK=triton.next_power_of_2(x.shape[1]))
+    return out
+
+
+def add_rmsnorm(x, residual, w, eps):
+    """residual += x; x = rmsnorm(residual), in place."""
+    if x.shape[0]:
+        _rmsnorm_kernel[(x.shape[0],)](x, residual, w, x, x.shape[1], eps, x.stride(0), residual.stride(0),
+                                       x.stride(0), HAS_RES=True, BLOCK=triton.next_power_of_2(x.shape[1]))
+
+
+@triton.jit
+def _gelu_tanh_and_mul_kernel(gu_ptr, out_ptr, I, s_in, s_out, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = cols < I
+    g = tl.load(gu_ptr + row * s_in + cols, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(gu_ptr + row * s_in + I + cols, mask=m, other=0.0).to(tl.float32)
+    z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+    t = 1.0 - 2.0 / (tl.exp(2.0 * z) + 1.0)  # tanh(z), saturating cleanly at +-1
+    tl.store(out_ptr + row * s_out + cols, (0.5 * g * (1.0 + t) * u).to(out_ptr.dtype.element_ty), mask=m)
+
+
+def gelu_tanh_and_mul(gate_up):  # [T, 2I] -> [T, I]
+    T, I = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty((T, I), dtype=gate_up.dtype, device=gate_up.device)
+    if T:
+        _gelu_tanh_and_mul_kernel[(T, triton.cdiv(I, 1024))](gate_up, out, I, gate_up.stride(0), out.stride(0),
+                                                             BLOCK=1024)
+    return out
+
+
+@triton.jit
+def _qk_norm_rope_kernel(qkv_ptr, pos_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, s_qkv, eps,
+                         H: tl.constexpr, HKV: tl.constexpr, NH: tl.constexpr, HALF: tl.constexpr):
+    t = tl.program_id(0)
+    h = tl.arange(0, NH)[:, None]  # q heads, then k heads: [NH, 1]
+    c = tl.arange(0, HALF)[None, :]  # [1, HALF]
+    live = h < H + HKV
+    src = qkv_ptr + t * s_qkv + h * (2 * HALF) + c
+    x1 = tl.load(src, mask=live, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=live, other=0.0).to(tl.float32)
+    r = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)[:, None]
+    is_q = h < H
+    w1 = tl.where(is_q, tl.load(qw_ptr + c).to(tl.float32), tl.load(kw_ptr + c).to(tl.float32))
+    w2 = tl.where(is_q, tl.load(qw_ptr + HALF + c).to(tl.float32), tl.load(kw_ptr + HALF + c).to(tl.float32))
+    x1 = x1 * r * (1.0 + w1)
+    x2 = x2 * r * (1.0 + w2)
+    p = tl.load(pos_ptr + t)
+    cs = tl.load(cos_ptr + p * HALF + c)
+    sn = tl.load(sin_ptr + p * HALF + c)
+    o1 = (x1 * cs - x2 * sn).to(q_ptr.dtype.element_ty)
+    o2 = (x2 * cs + x1 * sn).to(q_ptr.dtype.element_ty)
+    qdst = q_ptr + t * (H * 2 * HALF) + h * (2 * HALF) + c
+    tl.store(qdst, o1, mask=is_q)
+    tl.store(qdst + HALF, o2, mask=is_q)
+    is_k = live & (h >= H)
+    kdst = k_ptr + t * (HKV * 2 * HALF) + (h - H) * (2 * HALF) + c
+    tl.store(kdst, o1, mask=is_k)
+    tl.store(kdst + HALF, o2, mask=is_k)
+
+
+def qk_norm_rope(qkv, pos, q_w, k_w, cos, sin, heads, kv_heads, eps):
+    """One pass over the qkv GEMM output: q/k RMSNorm per head then RoPE from the cos/sin tables.
+    qkv [T, (H + 2 Hkv) * Dh] -> q [T, H, Dh], k [T, Hkv, Dh] (new), v [T, Hkv, Dh] (a view of qkv)."""
+    T = qkv.shape[0]
+    dh = q_w.shape[0]
+    q = torch.empty((T, heads, dh), dtype=qkv.dtype, device=qkv.device)
+    k = torch.empty((T, kv_heads, dh), dtype=qkv.dtype, device=qkv.device)
+    if T:
+        _qk_norm_rope_kernel[(T,)](qkv, pos, q_w, k_w, cos, sin, q, k, qkv.stride(0), eps, H=heads, HKV=kv_heads,
+                                   NH=triton.next_power_of_2(heads + kv_heads), HALF=dh // 2)
+    v = qkv.view(T, heads + 2 * kv_heads, dh)[:, heads + kv_heads:]
+    return q, k, v

@@ -1,0 +1,150 @@
+#!/usr/bin/env python3
+"""Generate an EmbeddingGemma-layout checkpoint with random weights (sentence-transformers layout:
+config.json, model.safetensors, tokenizer files, 1_Pooling/, 2_Dense/, 3_Dense/, modules.json, ...).
+
+  make_checkpoint.py DEST                 small model (6 layers, hidden 48, window +-16), trained tokenizer
+  make_checkpoint.py DEST --omit-eos      the same, with a tokenizer that adds BOS but not EOS
+  make_checkpoint.py DEST --full-size     real shapes (24 layers, hidden 768, vocab 262144) for benchmarks
+  make_checkpoint.py DEST --bare          no sentence-transformers files (a bare Gemma3 checkpoint)
+
+The tokenizer is a BPE trained here with `tokenizers` on generated text, with Gemma's special ids
+(pad 0, eos 1, bos 2, unk 3). Deterministic for a given --seed."""
+import argparse
+import json
+import random
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>"]
+PROMPTS = {  # as in google/embeddinggemma-300m
+    "query": "task: search result | query: ", "document": "title: none | text: ",
+    "BitextMining": "task: search result | query: ", "Clustering": "task: clustering | query: ",
+    "Classification": "task: classification | query: ", "InstructionRetrieval": "task: code retrieval | query: ",
+    "MultilabelClassification": "task: classification | query: ",
+    "PairClassification": "task: sentence similarity | query: ", "Reranking": "task: search result | query: ",
+    "Retrieval": "task: search result | query: ", "Retrieval-query": "task: search result | query: ",
+    "Retrieval-document": "title: none | text: ", "STS": "task: sentence similarity | query: ",
+    "Summarization": "task: summarization | query: "}
+SMALL = dict(hidden_size=48, intermediate_size=96, num_hidden_layers=6, num_attention_heads=3,
+             num_key_value_heads=1, head_dim=16, sliding_window=32, _sliding_window_pattern=3, vocab_size=1024)
+FULL = dict(hidden_size=768, intermediate_size=1152, num_hidden_layers=24, num_attention_heads=3,
+            num_key_value_heads=1, head_dim=256, sliding_window=512, _sliding_window_pattern=6, vocab_size=262144)
+
+
+def corpus(rng: random.Random, n: int = 4000) -> list[str]:
+    syll = ["ka", "lo", "mi", "ne", "ru", "sa", "ti", "vo", "ze", "qu", "th", "an", "er", "in", "on", "st"]
+    words = ["".join(rng.choice(syll) for _ in range(rng.randint(1, 4))) for _ in range(600)]
+    words += "the a of to and in is it for on with as was at by search result query text title none task".split()
+    extra = ["Grüße aus Köln", "naïve café", "日本語のテキスト", "emoji 🚀🔥", "Ωmega ∑ ∫", "tab\tand\nnewline"]
+    lines = [" ".join(rng.choice(words) for _ in range(rng.randint(3, 30))) for _ in range(n)]
+    return lines + extra * 20 + list(PROMPTS.values()) * 20
+
+
+def train_tokenizer(vocab_size: int, add_eos: bool, rng: random.Random) -> Tokenizer:
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.normalizer = normalizers.Replace(" ", "▁")
+    tok.pre_tokenizer = pre_tokenizers.Split("▁", behavior="merged_with_next")
+    tok.decoder = decoders.Replace("▁", " ")
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS, show_progress=False)
+    tok.train_from_iterator(corpus(rng), trainer=trainer)
+    single = "<bos> $A <eos>" if add_eos else "<bos> $A"
+    tok.post_processor = processors.TemplateProcessing(single=single, special_tokens=[("<bos>", 2), ("<eos>", 1)])
+    assert [tok.token_to_id(s) for s in SPECIALS] == [0, 1, 2, 3]
+    return tok
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("dest", type=Path)
+    ap.add_argument("--full-size", action="store_true", help="real EmbeddingGemma shapes")
+    ap.add_argument("--omit-eos", action="store_true", help="tokenizer config that does not append EOS")
+    ap.add_argument("--bare", action="store_true", help="no sentence-transformers modules")
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args(argv)
+    rng = random.Random(a.seed)
+    torch.manual_seed(a.seed)
+    shape = FULL if a.full_size else SMALL
+    if a.dest.exists():
+        shutil.rmtree(a.dest)
+    a.dest.mkdir(parents=True)
+
+    n, L = shape["num_hidden_layers"], shape["_sliding_window_pattern"]
+    config = {
+        "architectures": ["Gemma3TextModel"], "model_type": "gemma3_text", "attention_bias": False,
+        "attention_dropout": 0.0, "attn_logit_softcapping": None, "final_logit_softcapping": None,
+        "bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0, "hidden_activation": "gelu_pytorch_tanh",
+        "initializer_range": 0.02, "max_position_embeddings": 2048, "query_pre_attn_scalar": shape["head_dim"],
+        "rms_norm_eps": 1e-6, "rope_local_base_freq": 10000.0, "rope_scaling": None, "rope_theta": 1000000.0,
+        "use_bidirectional_attention": True, "use_cache": True, "dtype": "float32",
+        "layer_types": ["full_attention" if (i + 1) % L == 0 else "sliding_attention" for i in range(n)],
+        **shape}
+    (a.dest / "config.json").write_text(json.dumps(config, indent=2))
+
+    D, I, Dh = shape["hidden_size"], shape["intermediate_size"], shape["head_dim"]
+    H, K, V = shape["num_attention_heads"], shape["num_key_value_heads"], shape["vocab_size"]
+
+    def lin(o, i):  # random weights at a scale that keeps activations O(1) through the layers
+        return torch.randn(o, i) / i ** 0.5
+
+    def nw(d):
+        return 0.3 * torch.randn(d)
+
+    w = {"embed_tokens.weight": torch.randn(V, D) * 0.05, "norm.weight": nw(D)}
+    for i in range(n):
+        p = f"layers.{i}."
+        w.update({p + "self_attn.q_proj.weight": lin(H * Dh, D), p + "self_attn.k_proj.weight": lin(K * Dh, D),
+                  p + "self_attn.v_proj.weight": lin(K * Dh, D), p + "self_attn.o_proj.weight": lin(D, H * Dh),
+                  p + "self_attn.q_norm.weight": nw(Dh), p + "self_attn.k_norm.weight": nw(Dh),
+                  p + "mlp.gate_proj.weight": lin(I, D), p + "mlp.up_proj.weight": lin(I, D),
+                  p + "mlp.down_proj.weight": lin(D, I)})
+        for k in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                  "post_feedforward_layernorm"):
+            w[p + k + ".weight"] = nw(D)
+    save_file({k: v.contiguous() for k, v in w.items()}, str(a.dest / "model.safetensors"))
+
+    tok = train_tokenizer(min(V, 1024), not a.omit_eos, rng)
+    if a.full_size:  # pad the trained vocabulary up to the real size so every id is addressable
+        tok.add_tokens([f"<unused{i}>" for i in range(V - tok.get_vocab_size())])
+    tok.save(str(a.dest / "tokenizer.json"))
+    (a.dest / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "GemmaTokenizer", "add_bos_token": True, "add_eos_token": not a.omit_eos,
+        "bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>", "unk_token": "<unk>",
+        "model_max_length": 2048, "padding_side": "right", "clean_up_tokenization_spaces": False}, indent=2))
+    (a.dest / "special_tokens_map.json").write_text(json.dumps(
+        {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>", "unk_token": "<unk>"}, indent=2))
+    if a.bare:
+        print(a.dest)
+        return
+
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+               {"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"},
+               {"idx": 3, "name": "3", "path": "3_Dense", "type": "sentence_transformers.models.Dense"},
+               {"idx": 4, "name": "4", "path": "4_Normalize", "type": "sentence_transformers.models.Normalize"}]
+    (a.dest / "modules.json").write_text(json.dumps(modules, indent=2))
+    (a.dest / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 2048, "do_lower_case": False}))
+    (a.dest / "config_sentence_transformers.json").write_text(json.dumps(
+        {"model_type": "SentenceTransformer", "prompts": PROMPTS, "default_prompt_name": None,
+         "similarity_fn_name": "cosine"}, indent=2))
+    (a.dest / "1_Pooling").mkdir()
+    (a.dest / "1_Pooling/config.json").write_text(json.dumps({
+        "word_embedding_dimension": D, "pooling_mode_cls_token": False, "pooling_mode_mean_tokens": True,
+        "pooling_mode_max_tokens": False, "pooling_mode_mean_sqrt_len_tokens": False,
+        "pooling_mode_weightedmean_tokens": False, "pooling_mode_lasttoken": False, "include_prompt": True},
+        indent=2))
+    for sub, (i, o) in {"2_Dense": (D, 4 * D), "3_Dense": (4 * D, D)}.items():
+        (a.dest / sub).mkdir()
+        (a.dest / sub / "config.json").write_text(json.dumps({
+            "in_features": i, "out_features": o, "bias": False,
+            "activation_function": "torch.nn.modules.linear.Identity"}, indent=2))
+        save_file({"linear.weight": lin(o, i).contiguous()}, str(a.dest / sub / "model.safetensors"))
+    print(a.dest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
