@@ -46,7 +46,8 @@ def _gelu_tanh_and_mul_kernel(gu_ptr, out_ptr, I, s_in, s_out, BLOCK: tl.constex
     g = tl.load(gu_ptr + row * s_in + cols, mask=m, other=0.0).to(tl.float32)
     u = tl.load(gu_ptr + row * s_in + I + cols, mask=m, other=0.0).to(tl.float32)
     z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
-    t = 1.0 - 2.0 / (tl.exp(2.0 * z) + 1.0)  # tanh(z), saturating cleanly at +-1
+    z = tl.minimum(tl.maximum(z, -15.0), 15.0)  # tanh is +-1 to fp32 precision beyond; keeps exp finite
+    t = 1.0 - 2.0 / (tl.exp(2.0 * z) + 1.0)  # tanh(z)
     tl.store(out_ptr + row * s_out + cols, (0.5 * g * (1.0 + t) * u).to(out_ptr.dtype.element_ty), mask=m)
 
 

@@ -1,0 +1,208 @@
+"""Start the real `tritonserver` on this repository's model_repository for a given checkpoint.
+
+  python -m egemma.server [--model DIR] [--host 127.0.0.1] [--http-port 8000] [--grpc-port 8001]
+                          [--metrics-port 8002]
+
+The model repository is rendered into a run directory with the checkpoint path written into the configs
+(the source tree is never modified), the server is started with this Python environment first on PATH (the
+Python backend stub follows PATH), readiness is awaited, and the endpoints are printed."""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+REPO = ROOT / "model_repository"
+DEMO = ROOT / ".cache" / "demo-checkpoint"
+
+
+def find_tritonserver() -> tuple[Path, Path]:
+    """(tritonserver binary, backend directory): $TRITON_SERVER_DIR, a `tritonserver` on PATH, or the one in
+    the nvidia-pytriton wheel (with the Python backend stub for this interpreter copied in place)."""
+    if os.environ.get("TRITON_SERVER_DIR"):
+        d = Path(os.environ["TRITON_SERVER_DIR"])
+        return d / "bin" / "tritonserver", d / "backends"
+    on_path = shutil.which("tritonserver")
+    if on_path:
+        d = Path(on_path).resolve().parent.parent
+        return Path(on_path), d / "backends"
+    try:
+        import pytriton
+    except ImportError:
+        raise SystemExit("no tritonserver: none on PATH and nvidia-pytriton is not installed (run scripts/setup.sh)")
+    d = Path(pytriton.__file__).parent / "tritonserver"
+    stub = d / "backends" / "python" / "triton_python_backend_stub"
+    src = d / "python_backend_stubs" / f"{sys.version_info.major}.{sys.version_info.minor}" / stub.name
+    if not stub.exists():
+        if not src.exists():
+            raise SystemExit(f"nvidia-pytriton has no Python backend stub for Python {sys.version_info[:2]}")
+        shutil.copy2(src, stub)
+    return d / "bin" / "tritonserver", d / "backends"
+
+
+def resolve_checkpoint(model: str | None) -> Path:
+    """--model, else $EMBEDDINGGEMMA_PATH, else google/embeddinggemma-300m from the HF cache/hub, else (loudly)
+    a generated demo checkpoint with random weights so the server always comes up."""
+    for cand in (model, os.environ.get("EMBEDDINGGEMMA_PATH")):
+        if cand:
+            if not Path(cand).expanduser().is_dir():
+                raise SystemExit(f"checkpoint directory {cand} does not exist")
+            return Path(cand).expanduser().resolve()
+    try:
+        from huggingface_hub import snapshot_download
+        return Path(snapshot_download("google/embeddinggemma-300m"))
+    except Exception as e:  # offline, gated, not logged in: all end in the demo checkpoint
+        why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    print(f"\n*** WARNING: google/embeddinggemma-300m is not available ({why}).\n"
+          f"*** Serving a DEMO checkpoint with RANDOM weights from {DEMO}; its embeddings mean nothing.\n"
+          "*** Pass --model DIR or set EMBEDDINGGEMMA_PATH for real embeddings.\n", file=sys.stderr)
+    if not (DEMO / "model.safetensors").exists():
+        subprocess.run([sys.executable, str(ROOT / "scripts" / "make_checkpoint.py"), str(DEMO)], check=True,
+                       stdout=subprocess.DEVNULL)
+    return DEMO
+
+
+def render_repository(dest: Path, checkpoint: Path, encoder_params: dict[str, str] | None = None) -> Path:
+    """Copy model_repository to dest with the checkpoint (and any encoder parameters) filled in."""
+    if dest.exists():
+        shutil.rmtree(dest)
+    shutil.copytree(REPO, dest, ignore=shutil.ignore_patterns("__pycache__"))
+    params = {"checkpoint": str(checkpoint), **(encoder_params or {})}
+    for model in ("embeddinggemma_tokenizer", "embeddinggemma_encoder"):
+        cfg = dest / model / "config.pbtxt"
+        text = cfg.read_text()
+        for key, value in params.items():
+            if key != "checkpoint" and model != "embeddinggemma_encoder":
+                continue
+            pat = re.compile(r'(parameters \{ key: "%s" value: \{ string_value: )"[^"]*"' % re.escape(key))
+            if not pat.search(text):
+                raise ValueError(f"{cfg} has no parameter {key!r}")
+            text = pat.sub(lambda m: m.group(1) + '"%s"' % value, text)
+        cfg.write_text(text)
+    return dest
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class TritonServer:
+    """A running tritonserver; `with TritonServer(...) as s:` waits until it is ready and stops it after."""
+
+    def __init__(self, checkpoint: Path, host="127.0.0.1", http_port=8000, grpc_port=8001, metrics_port=8002,
+                 run_dir: Path | None = None, encoder_params: dict[str, str] | None = None, log_file=None,
+                 extra_args=(), ready_timeout=600.0):
+        self.host, self.http_port, self.grpc_port, self.metrics_port = host, http_port, grpc_port, metrics_port
+        self.run_dir = Path(run_dir or tempfile.mkdtemp(prefix="egemma-run-"))
+        self.repo = render_repository(self.run_dir / "model_repository", checkpoint, encoder_params)
+        binary, backends = find_tritonserver()
+        self.cmd = [str(binary), f"--model-repository={self.repo}", f"--backend-directory={backends}",
+                    "--model-control-mode=none", "--exit-on-error=true", "--strict-readiness=true",
+                    f"--http-address={host}", f"--http-port={http_port}", f"--grpc-address={host}",
+                    f"--grpc-port={grpc_port}", f"--metrics-address={host}", f"--metrics-port={metrics_port}",
+                    *extra_args]
+        env = dict(os.environ)
+        env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+        # The stub links libpython dynamically; let it find this interpreter's own (its lib-dynload modules
+        # need the matching patch release, not whatever the system ships).
+        libdir = sysconfig.get_config_var("LIBDIR")
+        if libdir and list(Path(libdir).glob("libpython3*.so*")):
+            env["LD_LIBRARY_PATH"] = f"{libdir}{os.pathsep}{env.get('LD_LIBRARY_PATH', '')}".rstrip(os.pathsep)
+        self.log_file = log_file
+        self.proc = subprocess.Popen(self.cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        self.wait_ready(ready_timeout)
+
+    @property
+    def http_url(self) -> str:
+        return f"{self.host}:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"{self.host}:{self.grpc_port}"
+
+    def ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=2) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    def wait_ready(self, timeout: float):
+        deadline = time.monotonic() + timeout
+        while not self.ready():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"tritonserver exited with {self.proc.returncode} before becoming ready; "
+                                   f"command: {' '.join(self.cmd)}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise TimeoutError(f"tritonserver not ready after {timeout:.0f}s")
+            time.sleep(0.2)  # readiness polling; the condition itself is checked above
+
+    def stop(self, timeout: float = 60.0):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help="checkpoint directory (default: $EMBEDDINGGEMMA_PATH, then the HF hub)")
+    ap.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
+    ap.add_argument("--http-port", type=int, default=8000)
+    ap.add_argument("--grpc-port", type=int, default=8001)
+    ap.add_argument("--metrics-port", type=int, default=8002)
+    ap.add_argument("--run-dir", type=Path, default=ROOT / ".run", help="where the rendered repository goes")
+    ap.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
+                    help="encoder parameter, e.g. attention_backend=fa2 (repeatable)")
+    a = ap.parse_args(argv)
+    ckpt = resolve_checkpoint(a.model)
+    params = dict(p.split("=", 1) for p in a.param)
+    print(f"starting tritonserver for {ckpt} ...", flush=True)
+    srv = TritonServer(ckpt, a.host, a.http_port, a.grpc_port, a.metrics_port, a.run_dir, params)
+    h = "127.0.0.1" if a.host in ("0.0.0.0", "::") else a.host
+    print(f"""
+ready: model 'embeddinggemma' (checkpoint {ckpt})
+  HTTP    http://{h}:{a.http_port}
+  gRPC    {h}:{a.grpc_port}
+  metrics http://{h}:{a.metrics_port}/metrics
+
+  curl -s http://{h}:{a.http_port}/v2/models/embeddinggemma/infer -d \\
+    '{{"inputs":[{{"name":"TEXT","shape":[1,1],"datatype":"BYTES","data":["hello world"]}}]}}'
+
+  python -c "import numpy as np, tritonclient.grpc as g; c = g.InferenceServerClient('{h}:{a.grpc_port}'); \\
+i = g.InferInput('TEXT', [1, 1], 'BYTES'); i.set_data_from_numpy(np.array([[b'hello world']], dtype=object)); \\
+print(c.infer('embeddinggemma', [i]).as_numpy('EMBEDDING'))"
+""", flush=True)
+    signal.signal(signal.SIGTERM, lambda *_: srv.stop())
+    try:
+        sys.exit(srv.proc.wait())
+    except KeyboardInterrupt:
+        srv.stop()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+"""The engine (no Triton) against sentence-transformers in fp32 on CPU, and strict checkpoint loading."""
+import json
+import shutil
+
+import numpy as np
+import pytest
+from safetensors.torch import load_file, save_file
+
+from conftest import cosine, make_texts, reference, st_embed_ids, st_model
+from egemma.config import CheckpointError, ModelConfig
+from egemma.runner import Engine, EngineConfig
+from egemma.tokenizer import TextTokenizer
+
+
+def embed_texts(ckpt, texts, **ec):
+    eng = Engine(EngineConfig(str(ckpt), **ec))
+    tok = TextTokenizer(eng.cfg)
+    seqs = tok.encode(texts)
+    return eng.embed(seqs), [len(s) for s in seqs]
+
+
+@pytest.mark.parametrize("variant", ["eos", "noeos"])
+def test_parity_with_sentence_transformers(checkpoints, variant):
+    texts = make_texts(24, 520)
+    ours, lengths = embed_texts(checkpoints[variant], texts)
+    assert min(lengths) <= 3 and max(lengths) >= 600  # 1 ... 600 tokens; the window is +-16
+    ref = reference(checkpoints[variant], texts)
+    assert cosine(ours, ref).min() >= 0.99999
+    assert np.abs(ours - ref).max() <= 1e-5
+
+
+def test_bare_checkpoint_is_mean_pooled_like_sentence_transformers(checkpoints):
+    texts = make_texts(6, 100)
+    ours, _ = embed_texts(checkpoints["bare"], texts)
+    ref = st_model(checkpoints["bare"]).encode(texts, convert_to_numpy=True)
+    assert ours.shape[1] == 48 and np.abs(ours - ref).max() <= 1e-5
+
+
+def test_batches_split_over_max_tokens_give_the_same_numbers(checkpoints):
+    texts = make_texts(30, 500, seed=3)
+    whole, lengths = embed_texts(checkpoints["eos"], texts)
+    split, _ = embed_texts(checkpoints["eos"], texts, max_tokens=2048, max_seqs=3)
+    assert sum(lengths) > 4 * 2048
+    assert np.abs(whole - split).max() <= 1e-6
+
+
+def test_window_is_per_sequence_and_two_sided(checkpoints):
+    """Sequences straddling the window, packed together, equal each one alone and sentence-transformers."""
+    eng = Engine(EngineConfig(str(checkpoints["eos"])))
+    rng = np.random.default_rng(0)
+    seqs = [np.concatenate([[2], rng.integers(4, 1000, n - 2), [1]]).astype(np.int32) for n in (30, 33, 17, 500)]
+    packed = eng.embed(seqs)
+    alone = np.concatenate([eng.embed([s]) for s in seqs])
+    ref = st_embed_ids(st_model(checkpoints["eos"]), [s.tolist() for s in seqs])
+    assert np.abs(packed - alone).max() <= 1e-6 and np.abs(packed - ref).max() <= 1e-5
+
+
+def _copy(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_missing_or_unexpected_weight_fails_loudly(checkpoints, tmp_path):
+    ck = _copy(checkpoints["eos"], tmp_path / "a")
+    w = load_file(ck / "model.safetensors")
+    del w["layers.3.mlp.up_proj.weight"]
+    w["layers.3.mlp.extra.weight"] = w["norm.weight"].clone()
+    save_file(w, ck / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"layers\.3\.mlp\.up_proj\.weight.*layers\.3\.mlp\.extra\.weight"):
+        Engine(EngineConfig(str(ck)))
+
+
+def test_missing_dense_projector_fails_loudly(checkpoints, tmp_path):
+    ck = _copy(checkpoints["eos"], tmp_path / "b")
+    (ck / "2_Dense" / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="2_Dense"):
+        Engine(EngineConfig(str(ck)))
+
+
+def test_wrong_shape_and_bad_config_fail_loudly(checkpoints, tmp_path):
+    ck = _copy(checkpoints["eos"], tmp_path / "c")
+    w = load_file(ck / "model.safetensors")
+    w["norm.weight"] = w["norm.weight"][:-1].clone()
+    save_file(w, ck / "model.safetensors")
+    with pytest.raises(CheckpointError, match="norm.weight has shape"):
+        Engine(EngineConfig(str(ck)))
+    cfg = json.loads((ck / "config.json").read_text())
+    cfg["use_bidirectional_attention"] = False
+    (ck / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="bidirectional"):
+        ModelConfig.load(ck)
+    with pytest.raises(ValueError, match="fp16"):
+        Engine(EngineConfig(str(checkpoints["eos"]), dtype="float16"))
+    with pytest.raises(RuntimeError, match="not available"):
+        Engine(EngineConfig(str(checkpoints["eos"]), attention_backend="fa3"))
+
+
+def test_engine_rejects_bad_ids(checkpoints):
+    eng = Engine(EngineConfig(str(checkpoints["eos"])))
+    assert eng.check(np.array([2, 5, 1])) is None
+    assert "vocabulary" in eng.check(np.array([2, 5000, 1]))
+    assert "vocabulary" in eng.check(np.array([2, -1, 1]))
+    assert "non-empty" in eng.check(np.array([], dtype=np.int32))
+    assert "positions" in eng.check(np.ones(2049, dtype=np.int32))

@@ -1,0 +1,75 @@
+"""Each fused op against its torch-native reference on odd sizes, residual on and off, fresh random data.
+On CPU the Triton-lang kernels run in Triton's interpreter (fp32); on a GPU host in bf16, plus sgl-kernel."""
+import os
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"  # must precede the kernels' import
+pytest.importorskip("triton")
+
+from kernels import native, triton_ops  # noqa: E402
+from kernels.select import available_norm_backends, make_ops  # noqa: E402
+
+DEV = torch.device("cuda" if CUDA else "cpu")
+DTYPE = torch.bfloat16 if CUDA else torch.float32
+TOL = 2e-2 if CUDA else 1e-5  # bf16 outputs carry ~3 significant digits
+SIZES = [1, 7, 769]
+
+
+def rand(*shape, scale=1.0):
+    return (torch.randn(*shape, device=DEV) * scale).to(DTYPE)
+
+
+def close(a, b):
+    a, b = a.float(), b.float()
+    assert torch.isfinite(a).all()
+    assert ((a - b).abs().max() / b.abs().max().clamp(min=1e-6)).item() <= TOL
+
+
+def impls(op):
+    if not CUDA:
+        return [getattr(triton_ops, op)]
+    return [getattr(make_ops(b, DEV), op) for b in available_norm_backends(DEV) if b != "native"]
+
+
+@pytest.mark.parametrize("T", SIZES)
+@pytest.mark.parametrize("D", [768, 100])
+def test_rmsnorm(T, D):
+    for f in impls("rmsnorm"):
+        x, w = rand(T, D, scale=3), rand(D, scale=0.5)
+        close(f(x, w, 1e-6), native.rmsnorm(x, w, 1e-6))
+
+
+@pytest.mark.parametrize("T", SIZES)
+def test_add_rmsnorm_in_place(T):
+    for f in impls("add_rmsnorm"):
+        x, r, w = rand(T, 768), rand(T, 768, scale=10), rand(768, scale=0.5)
+        x1, r1, x2, r2 = x.clone(), r.clone(), x.clone(), r.clone()
+        f(x1, r1, w, 1e-6)
+        native.add_rmsnorm(x2, r2, w, 1e-6)
+        close(r1, r2)
+        close(x1, x2)
+
+
+@pytest.mark.parametrize("T", SIZES)
+def test_gelu_tanh_and_mul(T):
+    for f in impls("gelu_tanh_and_mul"):
+        gu = rand(T, 2 * 1152, scale=4)
+        close(f(gu), native.gelu_tanh_and_mul(gu))
+
+
+@pytest.mark.parametrize("T", SIZES)
+@pytest.mark.parametrize("heads,kv_heads,dh", [(3, 1, 256), (3, 1, 16), (4, 2, 64)])
+def test_qk_norm_rope(T, heads, kv_heads, dh):
+    qkv = rand(T, (heads + 2 * kv_heads) * dh, scale=2)
+    pos = torch.randint(0, 2048, (T,), device=DEV)
+    qw, kw = rand(dh, scale=0.5), rand(dh, scale=0.5)
+    cos, sin = native.rope_table(10_000.0, dh, 2048, DEV)
+    got = triton_ops.qk_norm_rope(qkv, pos, qw, kw, cos, sin, heads, kv_heads, 1e-6)
+    want = native.qk_norm_rope(qkv, pos, qw, kw, cos, sin, heads, kv_heads, 1e-6)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape
+        close(g, w)

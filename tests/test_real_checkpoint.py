@@ -1,0 +1,43 @@
+"""google/embeddinggemma-300m itself (real weights, real Gemma tokenizer) through the real server, against
+sentence-transformers. Runs when EMBEDDINGGEMMA_PATH points at the checkpoint."""
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+
+from conftest import cosine, st_model
+from egemma.config import ModelConfig
+from egemma.tokenizer import TextTokenizer
+
+TEXTS = ["", "Which planet is known as the Red Planet?",
+         "Mars, known for its reddish appearance, is often referred to as the Red Planet. " * 6,
+         "Grüße aus Köln! 日本語のテキスト 🚀 <eos> literal specials <bos>",
+         "Venus is often called Earth's twin because of its similar size and proximity. " * 30]
+
+
+@pytest.fixture(scope="module")
+def real_server(real_checkpoint, tmp_path_factory):
+    from egemma.server import TritonServer, free_port
+    d = tmp_path_factory.mktemp("real")
+    with open(d / "tritonserver.log", "w") as log, \
+            TritonServer(real_checkpoint, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
+                         run_dir=d, log_file=log, ready_timeout=600) as s:
+        yield s
+
+
+def test_real_tokenizer_matches(real_checkpoint):
+    tok = TextTokenizer(ModelConfig.load(real_checkpoint))
+    m = st_model(real_checkpoint)
+    texts = TEXTS + ["word " * 3000]
+    f = m.tokenize(texts)
+    want = [r[:int(k.sum())].tolist() for r, k in zip(f["input_ids"], f["attention_mask"])]
+    assert [s.tolist() for s in tok.encode(texts)] == want
+
+
+def test_real_checkpoint_served_equals_sentence_transformers(real_server, real_checkpoint):
+    c = grpcclient.InferenceServerClient(real_server.grpc_url)
+    i = grpcclient.InferInput("TEXT", [len(TEXTS), 1], "BYTES")
+    i.set_data_from_numpy(np.array([[t.encode()] for t in TEXTS], dtype=object))
+    got = c.infer("embeddinggemma", [i]).as_numpy("EMBEDDING")
+    ref = st_model(real_checkpoint).encode(TEXTS, convert_to_numpy=True)
+    assert got.shape == (len(TEXTS), 768)
+    assert cosine(got, ref).min() >= 0.99999 and np.abs(got - ref).max() <= 1e-5

@@ -1,0 +1,118 @@
+"""Through the real tritonserver: HTTP and gRPC, batches in one request, concurrent mixed-length requests that
+dynamic batching packs together, direct token-id calls, per-request errors. Every answer is compared with
+sentence-transformers on the same checkpoint."""
+import queue
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+
+from conftest import cosine, make_texts, reference
+
+TOL = 1e-5
+
+
+def text_input(mod, texts):
+    i = mod.InferInput("TEXT", [len(texts), 1], "BYTES")
+    i.set_data_from_numpy(np.array([[t.encode()] for t in texts], dtype=object))
+    return i
+
+
+def assert_matches(got, ref):
+    assert got.shape == ref.shape and got.dtype == np.float32
+    assert cosine(got, ref).min() >= 0.99999 and np.abs(got - ref).max() <= TOL
+
+
+def test_http_batch_in_one_request(server, checkpoints):
+    texts = make_texts(12, 200, seed=1) + ["", "<eos>"]
+    c = httpclient.InferenceServerClient(server.http_url)
+    got = c.infer("embeddinggemma", [text_input(httpclient, texts)]).as_numpy("EMBEDDING")
+    assert_matches(got, reference(checkpoints["eos"], texts))
+
+
+def test_grpc_batch_in_one_request(server, checkpoints):
+    texts = make_texts(20, 500, seed=2)
+    c = grpcclient.InferenceServerClient(server.grpc_url)
+    got = c.infer("embeddinggemma", [text_input(grpcclient, texts)]).as_numpy("EMBEDDING")
+    assert_matches(got, reference(checkpoints["eos"], texts))
+
+
+def test_over_long_text_is_truncated_like_sentence_transformers(server, checkpoints):
+    texts = ["kalo the " * 3000, "short"]
+    c = grpcclient.InferenceServerClient(server.grpc_url)
+    got = c.infer("embeddinggemma", [text_input(grpcclient, texts)]).as_numpy("EMBEDDING")
+    assert_matches(got, reference(checkpoints["eos"], texts))
+
+
+def fire_concurrently(c, jobs):
+    """jobs: [(model, inputs)]; all sent at once with async_infer; returns [(result, error)] in job order."""
+    done = queue.Queue()
+    for k, (model, inputs) in enumerate(jobs):
+        c.async_infer(model, inputs, callback=lambda result, error, k=k: done.put((k, result, error)))
+    out = [None] * len(jobs)
+    for _ in jobs:
+        k, r, e = done.get(timeout=120)
+        out[k] = (r, e)
+    return out
+
+
+def test_concurrent_single_text_requests_are_batched_and_each_correct(server, checkpoints):
+    texts = make_texts(48, 450, seed=4)[::-1]
+    ref = reference(checkpoints["eos"], texts)
+    c = grpcclient.InferenceServerClient(server.grpc_url)
+    before = _stats(c)
+    res = fire_concurrently(c, [("embeddinggemma", [text_input(grpcclient, [t])]) for t in texts])
+    for (r, e), want in zip(res, ref):
+        assert e is None, e
+        assert_matches(r.as_numpy("EMBEDDING"), want[None])
+    after = _stats(c)
+    inferences, executions = after[0] - before[0], after[1] - before[1]
+    assert inferences == 48 and executions < inferences  # dynamic batching packed requests together
+
+
+def _stats(c):
+    s = c.get_inference_statistics("embeddinggemma_encoder", as_json=True)["model_stats"][0]
+    return int(s.get("inference_count", 0)), int(s.get("execution_count", 0))
+
+
+def ids_input(rows, seq_len=None):
+    L = max(len(r) for r in rows)
+    ids = np.zeros((len(rows), L), dtype=np.int32)
+    for j, r in enumerate(rows):
+        ids[j, :len(r)] = r
+    i = grpcclient.InferInput("INPUT_IDS", list(ids.shape), "INT32")
+    i.set_data_from_numpy(ids)
+    inputs = [i]
+    if seq_len is not False:
+        s = grpcclient.InferInput("SEQ_LEN", [len(rows), 1], "INT32")
+        s.set_data_from_numpy(np.array([[len(r)] for r in rows], dtype=np.int32))
+        inputs.append(s)
+    return inputs
+
+
+def test_encoder_takes_token_ids_directly_and_bad_requests_fail_alone(server, checkpoints):
+    from conftest import st_embed_ids, st_model
+    rng = np.random.default_rng(0)
+    rows = [[2, *rng.integers(4, 1000, n).tolist(), 1] for n in (1, 40, 300)]
+    ref = st_embed_ids(st_model(checkpoints["eos"]), rows)
+    c = grpcclient.InferenceServerClient(server.grpc_url)
+    jobs = [("embeddinggemma_encoder", ids_input(rows)),
+            ("embeddinggemma_encoder", ids_input([[2, 99999, 1]])),  # outside the vocabulary
+            ("embeddinggemma_encoder", ids_input([rows[1]], seq_len=False)),  # no SEQ_LEN: full rows
+            ("embeddinggemma_encoder", ids_input([rows[2]])), ]
+    (good, e0), (_, bad), (nolen, e2), (one, e3) = fire_concurrently(c, jobs)
+    assert e0 is None and e2 is None and e3 is None
+    assert bad is not None and "vocabulary" in str(bad)
+    assert_matches(good.as_numpy("EMBEDDING"), ref)
+    assert_matches(nolen.as_numpy("EMBEDDING"), ref[1:2])
+    assert_matches(one.as_numpy("EMBEDDING"), ref[2:3])
+
+
+def test_invalid_utf8_is_a_clean_error(server):
+    c = grpcclient.InferenceServerClient(server.grpc_url)
+    i = grpcclient.InferInput("TEXT", [1, 1], "BYTES")
+    i.set_data_from_numpy(np.array([[b"\xff\xfe bad"]], dtype=object))
+    with pytest.raises(Exception, match="UTF-8"):
+        c.infer("embeddinggemma", [i])
+    assert c.is_server_ready()

@@ -1,0 +1,39 @@
+"""Token ids equal sentence-transformers' for both tokenizer variants (+EOS where the checkpoint omits it)."""
+import pytest
+
+from conftest import UNICODE, expected_ids, make_texts, st_model
+from egemma.config import ModelConfig
+from egemma.tokenizer import PromptError, TextTokenizer
+
+EDGE = ["", " ", "x", "<eos>", "<bos>", "<pad><unk>", "a <eos> b", "text<eos>", " leading", "trailing ",
+        "the a of " * 1500, "kalo " * 5000] + UNICODE
+
+
+@pytest.mark.parametrize("variant", ["eos", "noeos"])
+def test_ids_match_sentence_transformers(checkpoints, variant):
+    tok = TextTokenizer(ModelConfig.load(checkpoints[variant]))
+    assert tok.adds_eos == (variant == "eos")
+    m = st_model(checkpoints[variant])
+    texts = EDGE + make_texts(30, 300)
+    ours = [s.tolist() for s in tok.encode(texts)]
+    assert ours == expected_ids(m, texts)
+    for s in ours:
+        assert s[0] == 2 and s[-1] == 1 and len(s) <= 2048
+    assert max(len(s) for s in ours) == 2048  # the long texts were truncated, EOS kept last
+
+
+@pytest.mark.parametrize("prompt_name", ["query", "document", "STS", "Retrieval-query"])
+def test_prompts_match_sentence_transformers(checkpoints, prompt_name):
+    tok = TextTokenizer(ModelConfig.load(checkpoints["eos"]))
+    texts = make_texts(8, 40) + ["the a of " * 1500]
+    prefix = tok.prefix(prompt_name=prompt_name)
+    assert [s.tolist() for s in tok.encode([prefix + t for t in texts])] == \
+        expected_ids(st_model(checkpoints["eos"]), texts, prompt_name=prompt_name)
+
+
+def test_unknown_prompt_lists_valid_names(checkpoints):
+    tok = TextTokenizer(ModelConfig.load(checkpoints["eos"]))
+    with pytest.raises(PromptError, match="Retrieval-query"):
+        tok.prefix(prompt_name="nope")
+    assert tok.prefix(prompt="literal: ") == "literal: "
+    assert tok.prefix() == ""
