@@ -143,10 +143,13 @@ class Encoder:
         return x
 
     def pool(self, x: torch.Tensor, seq_idx: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        """Mean over each sequence's tokens, Dense modules, L2 norm; fp32 [B, out_dim]. The segment sum is a
-        matmul with the one-hot token->sequence matrix: deterministic, unlike index_add's atomics."""
-        onehot = (seq_idx[None, :] == torch.arange(lengths.shape[0], device=x.device)[:, None]).float()  # [B, T]
-        e = (onehot @ x.float()) / lengths[:, None]
+        """Mean over each sequence's tokens, Dense modules, L2 norm; fp32 [B, out_dim]. Tokens whose seq_idx is
+        >= B (graph padding, possibly never written) are excluded. The segment sum is a matmul with the
+        one-hot token->sequence matrix: deterministic, unlike index_add's atomics."""
+        n = lengths.shape[0]
+        slots = torch.arange(n, device=x.device)
+        x = torch.where((seq_idx < n)[:, None], x.float(), 0.0)
+        e = ((seq_idx[None, :] == slots[:, None]).float() @ x) / lengths[:, None]
         for w, bias in self.dense:
             e = F.linear(e, w, bias)
         return F.normalize(e, dim=-1) if self.cfg.normalize else e

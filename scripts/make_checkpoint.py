@@ -107,9 +107,7 @@ def main(argv=None):
             w[p + k + ".weight"] = nw(D)
     save_file({k: v.contiguous() for k, v in w.items()}, str(a.dest / "model.safetensors"))
 
-    tok = train_tokenizer(min(V, 1024), not a.omit_eos, rng)
-    if a.full_size:  # pad the trained vocabulary up to the real size so every id is addressable
-        tok.add_tokens([f"<unused{i}>" for i in range(V - tok.get_vocab_size())])
+    tok = train_tokenizer(1024, not a.omit_eos, rng)  # full size: ids past 1024 come as token ids directly
     tok.save(str(a.dest / "tokenizer.json"))
     (a.dest / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "GemmaTokenizer", "add_bos_token": True, "add_eos_token": not a.omit_eos,

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# One call on the GPU host: unpack the offline bundles, run the GPU tests, benchmark, print a short table.
+#   device run, carry [.gpu/...]:  bash perf/gpu_run.sh [engine|serve|all]
+# Full logs and JSON go to $OUT. Needs .gpu/activate.sh and the archives named in perf/README.md.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-/tmp/egemma-out}"
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+source .gpu/activate.sh
+site="$(python3 -c 'import site; print(site.getsitepackages()[0])')"
+echo "$PWD" > "$site/egemma-dev.pth"  # the project importable by python3 and by the stub's venv
+nvidia-smi --query-gpu=name,memory.used,clocks.sm,clocks.max.sm --format=csv,noheader
+echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo '?') $(date -u +%FT%TZ)"
+mode="${1:-engine}"
+FULL=/tmp/egemma-full
+[ -f "$FULL/model.safetensors" ] || python3 scripts/make_checkpoint.py "$FULL" --full-size >/dev/null
+if [ "$mode" = engine ] || [ "$mode" = all ]; then
+  EGEMMA_FULL_CHECKPOINT="$FULL" python3 -m pytest -q -rs -p no:cacheprovider tests/test_kernels.py tests/test_gpu.py \
+    2>&1 | tee "$OUT/gpu_tests.log" | tail -n 25
+  python3 perf/bench_engine.py "$FULL" --out "$OUT/bench_engine.json" 2>&1 | tee "$OUT/bench_engine.log" \
+    | grep -v "^\s*$" | tail -n 12
+fi
+if [ "$mode" = serve ] || [ "$mode" = all ]; then
+  python3 perf/bench_serve.py "$FULL" --out "$OUT" 2>&1 | tee "$OUT/bench_serve.log" | tail -n 30
+fi
