@@ -1,8 +1,8 @@
 """The bidirectional Gemma3 encoder over one packed varlen batch, plus pooling and the Dense projector.
 
 Shapes: T packed tokens, B sequences, D hidden, H / Hkv heads, Dh head_dim, I intermediate.
-The residual stream is threaded through the layers so that every residual add is fused into the norm that
-follows it (`add_rmsnorm`); q/k/v and gate/up are joined into one GEMM each at load."""
+The residual stream is threaded through the layers so that every residual add is fused with the post-norm before
+it and the pre-norm after it (`norm_add_norm`); q/k/v and gate/up are joined into one GEMM each at load."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -135,11 +135,9 @@ class Encoder:
             q, k, v = ops.qk_norm_rope(x @ L.qkv.T, b.pos, L.q_norm, L.k_norm, cos, sin, c.heads, c.kv_heads, c.eps)
             a = attn[0 if L.sliding else 1](q, k, v, b.cu_seqlens, b.max_seqlen,
                                              c.window if L.sliding else -1, c.attn_scale)  # [T, H, Dh]
-            x = ops.rmsnorm(a.reshape(a.shape[0], -1) @ L.o.T, L.post_attn_norm, c.eps)
-            ops.add_rmsnorm(x, h, L.pre_ff_norm, c.eps)
-            x = ops.rmsnorm(ops.gelu_tanh_and_mul(x @ L.gate_up.T) @ L.down.T, L.post_ff_norm, c.eps)
+            x = ops.norm_add_norm(a.reshape(a.shape[0], -1) @ L.o.T, h, L.post_attn_norm, L.pre_ff_norm, c.eps)
             nxt = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.final_norm
-            ops.add_rmsnorm(x, h, nxt, c.eps)
+            x = ops.norm_add_norm(ops.gelu_tanh_and_mul(x @ L.gate_up.T) @ L.down.T, h, L.post_ff_norm, nxt, c.eps)
         return x
 
     def pool(self, x: torch.Tensor, seq_idx: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:

@@ -10,10 +10,11 @@ def rmsnorm(x, w, eps):  # [T, D] -> [T, D]
     return (xf * (1.0 + w.float())).to(x.dtype)
 
 
-def add_rmsnorm(x, residual, w, eps):
-    """residual += x; x = rmsnorm(residual). In place, as the fused kernels do."""
-    residual.add_(x)
-    x.copy_(rmsnorm(residual, w, eps))
+def norm_add_norm(x, residual, w_post, w_pre, eps):
+    """Gemma's post-norm, residual add and next pre-norm: x = rmsnorm(x, w_post); residual += x;
+    returns rmsnorm(residual, w_pre). The residual is updated in place."""
+    residual.add_(rmsnorm(x, w_post, eps))
+    return rmsnorm(residual, w_pre, eps)
 
 
 def gelu_tanh_and_mul(gate_up):  # [T, 2I] -> [T, I]

@@ -21,7 +21,7 @@ ATTENTION_BACKENDS = ("fa3", "fa2", "native")
 class Ops:
     name: str
     rmsnorm: Callable  # (x, w, eps) -> out
-    add_rmsnorm: Callable  # (x, residual, w, eps) -> None, in place
+    norm_add_norm: Callable  # (x, residual, w_post, w_pre, eps) -> out; residual updated in place
     gelu_tanh_and_mul: Callable  # (gate_up) -> out
     qk_norm_rope: Callable  # (qkv, pos, q_w, k_w, cos, sin, heads, kv_heads, eps) -> q, k, v
 
@@ -57,24 +57,26 @@ def make_ops(backend: str, device: torch.device) -> Ops:
         from kernels import triton_ops
         qk = triton_ops.qk_norm_rope
     if backend == "native":
-        return Ops("native", native.rmsnorm, native.add_rmsnorm, native.gelu_tanh_and_mul, qk)
+        return Ops("native", native.rmsnorm, native.norm_add_norm, native.gelu_tanh_and_mul, qk)
     if backend == "triton":
         from kernels import triton_ops as t
-        return Ops("triton", t.rmsnorm, t.add_rmsnorm, t.gelu_tanh_and_mul, qk)
+        return Ops("triton", t.rmsnorm, t.norm_add_norm, t.gelu_tanh_and_mul, qk)
     import sgl_kernel
 
     def rmsnorm(x, w, eps):
         return sgl_kernel.gemma_rmsnorm(x, w, eps)
 
-    def add_rmsnorm(x, residual, w, eps):
-        sgl_kernel.gemma_fused_add_rmsnorm(x, residual, w, eps)
+    def norm_add_norm(x, residual, w_post, w_pre, eps):
+        y = sgl_kernel.gemma_rmsnorm(x, w_post, eps)
+        sgl_kernel.gemma_fused_add_rmsnorm(y, residual, w_pre, eps)
+        return y
 
     def gelu_tanh_and_mul(gate_up):
         out = torch.empty((gate_up.shape[0], gate_up.shape[1] // 2), dtype=gate_up.dtype, device=gate_up.device)
         sgl_kernel.gelu_tanh_and_mul(gate_up, out)
         return out
 
-    return Ops("sgl-kernel", rmsnorm, add_rmsnorm, gelu_tanh_and_mul, qk)
+    return Ops("sgl-kernel", rmsnorm, norm_add_norm, gelu_tanh_and_mul, qk)
 
 
 def attention_fn(backend: str) -> Callable:

@@ -7,13 +7,15 @@ import triton.language as tl
 
 
 @triton.jit
-def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, D, eps, sx, sr, so,
-                    HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+def _rmsnorm_kernel(x_ptr, res_ptr, w_post_ptr, w_ptr, out_ptr, D, eps, sx, sr, so,
+                    NORM_ADD: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     m = cols < D
     x = tl.load(x_ptr + row * sx + cols, mask=m, other=0.0).to(tl.float32)
-    if HAS_RES:
+    if NORM_ADD:  # x = rmsnorm(x, w_post); residual += x; then the norm below runs on the residual
+        wp = tl.load(w_post_ptr + cols, mask=m, other=0.0).to(tl.float32)
+        x = (x * tl.rsqrt(tl.sum(x * x, 0) / D + eps) * (1.0 + wp)).to(x_ptr.dtype.element_ty).to(tl.float32)
         x += tl.load(res_ptr + row * sr + cols, mask=m, other=0.0).to(tl.float32)
         x = x.to(res_ptr.dtype.element_ty)  # the reference normalises the stored (rounded) residual
         tl.store(res_ptr + row * sr + cols, x, mask=m)
@@ -26,16 +28,18 @@ def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, D, eps, sx, sr, so,
 def rmsnorm(x, w, eps):  # [T, D] -> [T, D]
     out = torch.empty_like(x)
     if x.shape[0]:
-        _rmsnorm_kernel[(x.shape[0],)](x, x, w, out, x.shape[1], eps, x.stride(0), 0, out.stride(0),
-                                       HAS_RES=False, BLOCK=triton.next_power_of_2(x.shape[1]))
+        _rmsnorm_kernel[(x.shape[0],)](x, x, w, w, out, x.shape[1], eps, x.stride(0), 0, out.stride(0),
+                                       NORM_ADD=False, BLOCK=triton.next_power_of_2(x.shape[1]))
     return out
 
 
-def add_rmsnorm(x, residual, w, eps):
-    """residual += x; x = rmsnorm(residual), in place."""
+def norm_add_norm(x, residual, w_post, w_pre, eps):
+    """x = rmsnorm(x, w_post); residual += x; returns rmsnorm(residual, w_pre), written over x: one pass."""
     if x.shape[0]:
-        _rmsnorm_kernel[(x.shape[0],)](x, residual, w, x, x.shape[1], eps, x.stride(0), residual.stride(0),
-                                       x.stride(0), HAS_RES=True, BLOCK=triton.next_power_of_2(x.shape[1]))
+        _rmsnorm_kernel[(x.shape[0],)](x, residual, w_post, w_pre, x, x.shape[1], eps, x.stride(0),
+                                       residual.stride(0), x.stride(0), NORM_ADD=True,
+                                       BLOCK=triton.next_power_of_2(x.shape[1]))
+    return x
 
 
 @triton.jit

@@ -18,6 +18,7 @@ FULL=/tmp/egemma-full
 if [ "$mode" = engine ] || [ "$mode" = all ]; then
   EGEMMA_FULL_CHECKPOINT="$FULL" python3 -m pytest -q -rs -p no:cacheprovider tests/test_kernels.py tests/test_gpu.py \
     2>&1 | tee "$OUT/gpu_tests.log" | tail -n 25
+  python3 perf/profile_engine.py "$FULL" > "$OUT/profile_engine.log" 2>&1; grep -A3 "^== " "$OUT/profile_engine.log" | cut -c1-150
   python3 perf/bench_engine.py "$FULL" --out "$OUT/bench_engine.json" 2>&1 | tee "$OUT/bench_engine.log" \
     | grep -v "^\s*$" | tail -n 12
 fi

@@ -44,14 +44,15 @@ def test_rmsnorm(T, D):
 
 
 @pytest.mark.parametrize("T", SIZES)
-def test_add_rmsnorm_in_place(T):
-    for f in impls("add_rmsnorm"):
-        x, r, w = rand(T, 768), rand(T, 768, scale=10), rand(768, scale=0.5)
-        x1, r1, x2, r2 = x.clone(), r.clone(), x.clone(), r.clone()
-        f(x1, r1, w, 1e-6)
-        native.add_rmsnorm(x2, r2, w, 1e-6)
+def test_norm_add_norm_updates_residual_in_place(T):
+    for f in impls("norm_add_norm"):
+        x, r = rand(T, 768, scale=3), rand(T, 768, scale=10)
+        w_post, w_pre = rand(768, scale=0.5), rand(768, scale=0.5)
+        r1, r2 = r.clone(), r.clone()
+        got = f(x.clone(), r1, w_post, w_pre, 1e-6)
+        want = native.norm_add_norm(x.clone(), r2, w_post, w_pre, 1e-6)
         close(r1, r2)
-        close(x1, x2)
+        close(got, want)
 
 
 @pytest.mark.parametrize("T", SIZES)
