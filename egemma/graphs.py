@@ -1,7 +1,8 @@
-"""Whole-forward CUDA graphs (layers + pooling + Dense + normalise), one per token bucket, captured
-largest-first into one memory pool. A batch replays the smallest bucket that holds its tokens: the padding
-tokens form one extra sequence that pooling ignores, and unused sequence slots are empty (cu_seqlens
-repeats). The attention backend of each bucket and layer type is picked by timing at load."""
+"""Whole-forward CUDA graphs (layers + pooling + Dense + normalise), one per (token bucket, longest-sequence
+class), captured largest-first into one memory pool. A batch replays the smallest graph that holds it: the
+padding tokens form one extra sequence that pooling ignores, and unused sequence slots are empty
+(cu_seqlens repeats). Attention's grid follows max_seqlen, so short-sequence batches get graphs with a small
+one. The attention backend of each graph and layer type is picked by timing at load."""
 from __future__ import annotations
 
 import logging
@@ -14,6 +15,8 @@ from egemma.model import Packed
 from kernels.select import attention_fn
 
 log = logging.getLogger("egemma")
+
+SEQ_CLASSES = (128, 512, 2048)  # graph variants by longest sequence (clipped to the model's positions)
 
 
 def bucket_sizes(max_tokens: int) -> list[int]:
@@ -30,102 +33,104 @@ def bucket_sizes(max_tokens: int) -> list[int]:
 class GraphRunner:
     def __init__(self, engine, capture: bool = True):
         self.e = e = engine
-        cfg, dev = e.cfg, e.device
+        dev = e.device
         self.buckets = bucket_sizes(e.ec.max_tokens)
+        self.classes = sorted({min(c, e.cfg.max_positions) for c in SEQ_CLASSES} | {e.cfg.max_positions})
         T, S = self.buckets[-1], e.ec.max_seqs
-        self.ids = torch.zeros(T, dtype=torch.int64, device=dev)
-        self.pos = torch.zeros(T, dtype=torch.int64, device=dev)
-        self.seq_idx = torch.zeros(T, dtype=torch.int64, device=dev)
-        self.cu = torch.zeros(S + 2, dtype=torch.int32, device=dev)
-        self.lengths = torch.ones(S + 1, dtype=torch.float32, device=dev)
+        # All per-batch metadata in one int64 buffer, so a batch costs one host->device copy:
+        # [ids (t) | pos (t) | seq_idx (t) | cu_seqlens (slots + 2)], laid out per bucket t.
+        self.meta = torch.zeros(3 * T + S + 2, dtype=torch.int64, device=dev)
+        self.staging = torch.zeros(3 * T + S + 2, dtype=torch.int64, pin_memory=True)
+        self.keys = [(t, m) for t in self.buckets for m in sorted({min(m, t) for m in self.classes})]
         cands = [b for b in e.attn_candidates if b != "native"]  # native attention syncs: not capturable
         self.capture = capture and bool(cands)
-        self.attn = {t: self._pick_attention(t, cands) if cands else ("native", "native") for t in self.buckets}
-        log.info("egemma: attention per bucket (sliding, global): %s",
-                 ", ".join(f"{t}:{a[0]}/{a[1]}" for t, a in self.attn.items()))
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.attn = {k: self._pick_attention(k, cands) if cands else ("native", "native") for k in self.keys}
+        log.info("egemma: attention per (tokens, max_seqlen) -> (sliding, global): %s",
+                 ", ".join(f"{t}/{m}:{a[0]}/{a[1]}" for (t, m), a in self.attn.items()))
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.capture_s = 0.0
         if self.capture:
             t0 = time.perf_counter()
             pool = None
-            for t in reversed(self.buckets):
-                self._fill_dummy(t)
+            for k in reversed(self.keys):
+                self._fill_dummy(k)
                 s = torch.cuda.Stream()
                 s.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(s):
-                    self._forward(t)  # warm-up: lazy inits and workspace allocations stay out of the graph
+                    self._forward(k)  # warm-up: lazy inits and workspace allocations stay out of the graph
                 torch.cuda.current_stream().wait_stream(s)
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g, pool=pool):
-                    out = self._forward(t)
+                    out = self._forward(k)
                 pool = g.pool()
-                self.graphs[t] = (g, out)
-                log.info("egemma: captured CUDA graph for %d tokens (%d/%d)", t, len(self.graphs), len(self.buckets))
+                self.graphs[k] = (g, out)
+                if len(self.graphs) % 8 == 0 or len(self.graphs) == len(self.keys):
+                    log.info("egemma: captured %d/%d CUDA graphs", len(self.graphs), len(self.keys))
             torch.cuda.synchronize()
             self.capture_s = time.perf_counter() - t0
-            log.info("egemma: %d CUDA graphs captured in %.1fs, GPU memory %.2f GiB", len(self.graphs),
+            log.info("egemma: %d CUDA graphs captured in %.1fs, GPU memory peak %.2f GiB", len(self.graphs),
                      self.capture_s, torch.cuda.max_memory_allocated(dev) / 2 ** 30)
 
     def slots(self, t: int) -> int:
         return min(self.e.ec.max_seqs, t)
 
-    def _packed(self, t: int) -> Packed:
+    def _forward(self, key: tuple[int, int]) -> torch.Tensor:
+        t, m = key
         n = self.slots(t)
-        return Packed(self.ids[:t], self.pos[:t], self.cu[:n + 2], min(t, self.e.cfg.max_positions),
-                      self.seq_idx[:t], self.lengths[:n])
-
-    def _forward(self, t: int) -> torch.Tensor:
-        b = self._packed(t)
-        a = self.attn[t]
+        cu = self.meta[3 * t:3 * t + n + 2]
+        lengths = (cu[1:n + 1] - cu[:n]).float().clamp(min=1)  # empty slots: 1, their sum is 0 anyway
+        b = Packed(self.meta[:t], self.meta[t:2 * t], cu.int(), m, self.meta[2 * t:3 * t], lengths)
+        a = self.attn[key]
         x = self.e.model.forward(b, self.e.ops, (attention_fn(a[0]), attention_fn(a[1])))
         return self.e.model.pool(x, b.seq_idx, b.lengths)
 
-    def _fill(self, t: int, ids: torch.Tensor, lengths: list[int]):
-        n, B, T = self.slots(t), len(lengths), ids.numel()
+    def _fill(self, t: int, ids: np.ndarray, lengths: list[int]):
+        n, B, T = self.slots(t), len(lengths), ids.size
         lens = np.asarray(lengths, dtype=np.int64)
-        cu = np.full(n + 2, T, dtype=np.int32)
+        buf = self.staging.numpy()
+        ids_, pos, seq_idx, cu = buf[:t], buf[t:2 * t], buf[2 * t:3 * t], buf[3 * t:3 * t + n + 2]
+        ids_[:T] = ids
+        ids_[T:] = self.e.cfg.pad_id
         cu[0] = 0
         np.cumsum(lens, out=cu[1:B + 1])
+        cu[B + 1:] = T
         cu[-1] = t  # the padding tokens [T, t) are one more sequence ...
-        seq_idx = np.full(t, n, dtype=np.int64)  # ... whose tokens pooling skips (seq_idx >= slots)
         seq_idx[:T] = np.repeat(np.arange(B), lens)
-        pos = np.zeros(t, dtype=np.int64)
-        pos[:T] = np.arange(T) - np.repeat(cu[:B].astype(np.int64), lens)
-        full_lens = np.ones(n, dtype=np.float32)
-        full_lens[:B] = lens
-        self.ids[:T].copy_(ids)
-        self.ids[T:t].fill_(self.e.cfg.pad_id)
-        self.pos[:t].copy_(torch.from_numpy(pos))
-        self.seq_idx[:t].copy_(torch.from_numpy(seq_idx))
-        self.cu[:n + 2].copy_(torch.from_numpy(cu))
-        self.lengths[:n].copy_(torch.from_numpy(full_lens))
+        seq_idx[T:] = n  # ... whose tokens pooling skips (seq_idx >= slots)
+        pos[:T] = np.arange(T) - np.repeat(cu[:B], lens)
+        pos[T:] = 0
+        size = 3 * t + n + 2
+        self.meta[:size].copy_(self.staging[:size], non_blocking=True)
 
-    def _fill_dummy(self, t: int):
-        L = min(t, self.e.cfg.max_seq_length)
-        lengths = [L] * (t // L)
-        self._fill(t, torch.randint(4, self.e.cfg.vocab_size, (sum(lengths),)), lengths)
+    def _fill_dummy(self, key: tuple[int, int]):
+        t, m = key
+        lengths = [m] * (t // m)
+        self._fill(t, np.random.default_rng(0).integers(4, self.e.cfg.vocab_size, sum(lengths)), lengths)
 
-    def bucket(self, n_tokens: int) -> int:
-        return next(t for t in self.buckets if t >= n_tokens)
+    def key(self, n_tokens: int, max_len: int) -> tuple[int, int]:
+        t = next(t for t in self.buckets if t >= n_tokens)
+        return t, min(next(m for m in self.classes if m >= max_len), t)
 
-    def run(self, ids: torch.Tensor, lengths: list[int], use_graph: bool = True) -> np.ndarray:
-        t = self.bucket(ids.numel())
-        self._fill(t, ids, lengths)
-        if use_graph and t in self.graphs:
-            g, out = self.graphs[t]
+    def run(self, ids: np.ndarray, lengths: list[int], use_graph: bool = True) -> np.ndarray:
+        k = self.key(ids.size, max(lengths))
+        self._fill(k[0], ids, lengths)  # staging is free: the previous run's .cpu() waited for its copy
+        if use_graph and k in self.graphs:
+            g, out = self.graphs[k]
             g.replay()
             self.e.stats["graph_replays"] += 1
         else:
-            out = self._forward(t)
+            out = self._forward(k)
             self.e.stats["eager_runs"] += 1
         return out[:len(lengths)].cpu().numpy()
 
-    def _pick_attention(self, t: int, cands: list[str]) -> tuple[str, str]:
-        """Fastest candidate for sliding and for global layers at this bucket, timed on a full bucket."""
+    def _pick_attention(self, key: tuple[int, int], cands: list[str]) -> tuple[str, str]:
+        """Fastest candidate for sliding and for global layers in this graph, timed on a full batch of it."""
         if len(cands) == 1:
             return cands[0], cands[0]
         c, dev, dt = self.e.cfg, self.e.device, self.e.model.dtype
-        self._fill_dummy(t)
-        b = self._packed(t)
+        t, m = key
+        self._fill_dummy(key)
+        cu = self.meta[3 * t:3 * t + self.slots(t) + 2].int()
         q = torch.randn(t, c.heads, c.head_dim, device=dev, dtype=dt)
         k = torch.randn(t, c.kv_heads, c.head_dim, device=dev, dtype=dt)
         v = torch.randn(t, c.kv_heads, c.head_dim, device=dev, dtype=dt)
@@ -135,11 +140,11 @@ class GraphRunner:
             for name in cands:
                 f = attention_fn(name)
                 for _ in range(3):
-                    f(q, k, v, b.cu_seqlens, b.max_seqlen, window, c.attn_scale)
+                    f(q, k, v, cu, m, window, c.attn_scale)
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
                 for _ in range(10):
-                    f(q, k, v, b.cu_seqlens, b.max_seqlen, window, c.attn_scale)
+                    f(q, k, v, cu, m, window, c.attn_scale)
                 end.record()
                 end.synchronize()
                 times[name] = start.elapsed_time(end) / 10

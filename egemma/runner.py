@@ -23,7 +23,7 @@ class EngineConfig:
     checkpoint: str
     device: str = "auto"  # "auto": cuda when present, else cpu
     dtype: str = "auto"  # "auto": bfloat16 on cuda, float32 on cpu. fp16 overflows in Gemma3: refused.
-    norm_backend: str = "auto"  # auto | sgl-kernel | triton | native
+    norm_backend: str = "auto"  # auto (fastest per op, timed at load) | sgl-kernel | triton | native
     attention_backend: str = "auto"  # auto (timed per bucket) | fa3 | fa2 | native
     cuda_graphs: bool = True
     max_tokens: int = 16384  # tokens per forward; the largest graph bucket. Larger batches are split.
@@ -55,7 +55,8 @@ class Engine:
         if ec.max_tokens < cfg.max_seq_length:
             raise ValueError(f"max_tokens {ec.max_tokens} < max_seq_length {cfg.max_seq_length}")
         self.model = Encoder(cfg, DTYPES[dtype], self.device)
-        self.ops = make_ops(ec.norm_backend, self.device)
+        self.ops = make_ops(ec.norm_backend, self.device, self.model.dtype, cfg.hidden, cfg.intermediate,
+                            ec.max_tokens)
         have = available_attention_backends(self.device)
         if ec.attention_backend != "auto" and ec.attention_backend not in have:
             raise RuntimeError(f"attention backend {ec.attention_backend!r} is not available on {self.device} "
@@ -98,13 +99,14 @@ class Engine:
         lengths = [len(s) for s in seqs]
         out = np.empty((len(seqs), self.cfg.out_dim), dtype=np.float32)
         for a, b in self.chunks(lengths):
-            ids = torch.from_numpy(np.concatenate(seqs[a:b]).astype(np.int64, copy=False))
-            self.stats["tokens"] += ids.numel()
+            ids = np.concatenate(seqs[a:b])
+            self.stats["tokens"] += ids.size
             if self.graphs is not None:
                 out[a:b] = self.graphs.run(ids, lengths[a:b])
             else:
                 self.stats["eager_runs"] += 1
-                out[a:b] = self.forward_eager(Packed.from_lengths(ids, lengths[a:b], self.device)).cpu().numpy()
+                packed = Packed.from_lengths(torch.from_numpy(ids.astype(np.int64)), lengths[a:b], self.device)
+                out[a:b] = self.forward_eager(packed).cpu().numpy()
         return out
 
     def forward_eager(self, b: Packed, attn=None) -> torch.Tensor:

@@ -45,22 +45,13 @@ def available_attention_backends(device: torch.device) -> list[str]:
     return out + ["native"]
 
 
-def make_ops(backend: str, device: torch.device) -> Ops:
-    """backend: 'auto' or one of NORM_BACKENDS."""
-    have = available_norm_backends(device)
-    if backend == "auto":
-        backend = have[0]
-    if backend not in have:
-        raise RuntimeError(f"norm backend {backend!r} is not available on {device} (available: {have})")
-    qk = native.qk_norm_rope
-    if device.type == "cuda" and _have("triton"):
-        from kernels import triton_ops
-        qk = triton_ops.qk_norm_rope
+def _backend_ops(backend: str) -> dict[str, Callable]:
     if backend == "native":
-        return Ops("native", native.rmsnorm, native.norm_add_norm, native.gelu_tanh_and_mul, qk)
+        return dict(rmsnorm=native.rmsnorm, norm_add_norm=native.norm_add_norm,
+                    gelu_tanh_and_mul=native.gelu_tanh_and_mul)
     if backend == "triton":
         from kernels import triton_ops as t
-        return Ops("triton", t.rmsnorm, t.norm_add_norm, t.gelu_tanh_and_mul, qk)
+        return dict(rmsnorm=t.rmsnorm, norm_add_norm=t.norm_add_norm, gelu_tanh_and_mul=t.gelu_tanh_and_mul)
     import sgl_kernel
 
     def rmsnorm(x, w, eps):
@@ -76,7 +67,49 @@ def make_ops(backend: str, device: torch.device) -> Ops:
         sgl_kernel.gelu_tanh_and_mul(gate_up, out)
         return out
 
-    return Ops("sgl-kernel", rmsnorm, norm_add_norm, gelu_tanh_and_mul, qk)
+    return dict(rmsnorm=rmsnorm, norm_add_norm=norm_add_norm, gelu_tanh_and_mul=gelu_tanh_and_mul)
+
+
+def _time_ms(f, *args, reps=10) -> float:
+    for _ in range(2):
+        f(*args)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        f(*args)
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def make_ops(backend: str, device: torch.device, dtype=torch.bfloat16, hidden=768, intermediate=1152,
+             tokens=16384) -> Ops:
+    """backend: one of NORM_BACKENDS for every op, or 'auto': on CUDA each op takes the fastest available
+    backend, timed here on [tokens, hidden] data (measured on the H200: Triton's one-pass norm_add_norm beats
+    two sgl-kernel norms, sgl-kernel's gelu_tanh_and_mul beats Triton's)."""
+    have = available_norm_backends(device)
+    if backend != "auto" and backend not in have:
+        raise RuntimeError(f"norm backend {backend!r} is not available on {device} (available: {have})")
+    qk = native.qk_norm_rope
+    if device.type == "cuda" and _have("triton"):
+        from kernels import triton_ops
+        qk = triton_ops.qk_norm_rope
+    if backend != "auto" or len(have) == 1:
+        name = have[0] if backend == "auto" else backend
+        return Ops(name, qk_norm_rope=qk, **_backend_ops(name))
+    x = torch.randn(tokens, hidden, device=device, dtype=dtype)
+    h = torch.randn(tokens, hidden, device=device, dtype=dtype)
+    w = torch.randn(hidden, device=device, dtype=dtype)
+    gu = torch.randn(tokens, 2 * intermediate, device=device, dtype=dtype)
+    args = {"rmsnorm": (x, w, 1e-6), "norm_add_norm": (x, h, w, w, 1e-6), "gelu_tanh_and_mul": (gu,)}
+    cands = {b: _backend_ops(b) for b in have}
+    chosen, names = {}, []
+    for op, a in args.items():
+        times = {b: _time_ms(cands[b][op], *a) for b in have}
+        best = min(times, key=times.get)
+        chosen[op] = cands[best][op]
+        names.append(f"{op}={best}")
+    return Ops(",".join(names), qk_norm_rope=qk, **chosen)
 
 
 def attention_fn(backend: str) -> Callable:

@@ -11,7 +11,6 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from egemma.runner import Engine, EngineConfig
-from kernels.select import available_norm_backends
 
 GROUPS = [("attention", ("flash", "fmha", "attn")), ("gemm", ("gemm", "sm90", "cutlass", "cublas", "nvjet")),
           ("norm", ("rmsnorm", "norm")), ("activation", ("gelu",)), ("rope", ("qk_norm_rope",)),
@@ -29,7 +28,7 @@ def main():
     ap.add_argument("--batch", action="append", default=None, help="NxL, repeatable")
     ap.add_argument("--norm-backend", action="append", default=None, help="repeatable; default: all available")
     a = ap.parse_args()
-    for backend in a.norm_backend or available_norm_backends(torch.device("cuda")):
+    for backend in a.norm_backend or ["auto"]:
         profile_backend(a.checkpoint, backend, a.batch or ["8x2048", "64x128", "1x16"])
 
 
@@ -39,9 +38,9 @@ def profile_backend(checkpoint, backend, batches):
     for spec in batches:
         n, L = map(int, spec.split("x"))
         seqs = [rng.integers(4, eng.cfg.vocab_size, L).astype(np.int32) for _ in range(n)]
-        ids = torch.from_numpy(np.concatenate(seqs).astype(np.int64))
+        ids = np.concatenate(seqs)
         lengths = [L] * n
-        t = eng.graphs.bucket(ids.numel())
+        t = eng.graphs.key(ids.size, L)
         for _ in range(3):
             eng.graphs.run(ids, lengths, use_graph=False)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -66,7 +65,7 @@ def profile_backend(checkpoint, backend, batches):
         for _ in range(20):
             eng.embed(seqs)
         embed_ms = (time.perf_counter() - t0) / 20 * 1e3
-        print(f"\n== norms={backend} {spec} (bucket {t}, attention {eng.graphs.attn[t]}): graph replay {replay:.3f} ms GPU, "
+        print(f"\n== norms={backend} {spec} (graph {t}, attention {eng.graphs.attn[t]}): graph replay {replay:.3f} ms GPU, "
               f"embed() {embed_ms:.3f} ms wall, eager kernels {sum(per.values()):.3f} ms")
         print("   " + ", ".join(f"{k} {v:.3f}" for k, v in per.most_common()))
         for name, ms in top.most_common(8):
