@@ -136,17 +136,17 @@ class GraphRunner:
         v = torch.randn(t, c.kv_heads, c.head_dim, device=dev, dtype=dt)
         best = []
         for window in (c.window, -1):
-            times = {}
-            for name in cands:
-                f = attention_fn(name)
-                for _ in range(3):
+            fns = {name: attention_fn(name) for name in cands}
+            times = {name: [] for name in cands}
+            for _ in range(5):  # interleaved rounds, median: robust to clock ramps and neighbours
+                for name, f in fns.items():
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                     f(q, k, v, cu, m, window, c.attn_scale)
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                for _ in range(10):
-                    f(q, k, v, cu, m, window, c.attn_scale)
-                end.record()
-                end.synchronize()
-                times[name] = start.elapsed_time(end) / 10
-            best.append(min(times, key=times.get))
+                    start.record()
+                    for _ in range(5):
+                        f(q, k, v, cu, m, window, c.attn_scale)
+                    end.record()
+                    end.synchronize()
+                    times[name].append(start.elapsed_time(end))
+            best.append(min(cands, key=lambda n: sorted(times[n])[2]))
         return best[0], best[1]

@@ -73,23 +73,24 @@ def resolve_checkpoint(model: str | None) -> Path:
     return DEMO
 
 
-def render_repository(dest: Path, checkpoint: Path, encoder_params: dict[str, str] | None = None) -> Path:
-    """Copy model_repository to dest with the checkpoint (and any encoder parameters) filled in."""
+def render_repository(dest: Path, checkpoint: Path, params: dict[str, str] | None = None, src: Path = REPO) -> Path:
+    """Copy a model repository to dest with the checkpoint, and any other parameters, written into every model
+    config that declares them. A parameter no config declares is an error."""
     if dest.exists():
         shutil.rmtree(dest)
-    shutil.copytree(REPO, dest, ignore=shutil.ignore_patterns("__pycache__"))
-    params = {"checkpoint": str(checkpoint), **(encoder_params or {})}
-    for model in ("embeddinggemma_tokenizer", "embeddinggemma_encoder"):
-        cfg = dest / model / "config.pbtxt"
+    shutil.copytree(src, dest, ignore=shutil.ignore_patterns("__pycache__"))
+    params = {"checkpoint": str(checkpoint), **(params or {})}
+    used = set()
+    for cfg in sorted(dest.glob("*/config.pbtxt")):
         text = cfg.read_text()
         for key, value in params.items():
-            if key != "checkpoint" and model != "embeddinggemma_encoder":
-                continue
             pat = re.compile(r'(parameters \{ key: "%s" value: \{ string_value: )"[^"]*"' % re.escape(key))
-            if not pat.search(text):
-                raise ValueError(f"{cfg} has no parameter {key!r}")
-            text = pat.sub(lambda m: m.group(1) + '"%s"' % value, text)
+            if pat.search(text):
+                text = pat.sub(lambda m: m.group(1) + '"%s"' % value, text)
+                used.add(key)
         cfg.write_text(text)
+    if set(params) - used:
+        raise ValueError(f"no model in {src} takes parameters {sorted(set(params) - used)}")
     return dest
 
 
@@ -103,11 +104,11 @@ class TritonServer:
     """A running tritonserver; `with TritonServer(...) as s:` waits until it is ready and stops it after."""
 
     def __init__(self, checkpoint: Path, host="127.0.0.1", http_port=8000, grpc_port=8001, metrics_port=8002,
-                 run_dir: Path | None = None, encoder_params: dict[str, str] | None = None, log_file=None,
-                 extra_args=(), ready_timeout=600.0):
+                 run_dir: Path | None = None, params: dict[str, str] | None = None, log_file=None,
+                 extra_args=(), ready_timeout=600.0, repository: Path = REPO):
         self.host, self.http_port, self.grpc_port, self.metrics_port = host, http_port, grpc_port, metrics_port
         self.run_dir = Path(run_dir or tempfile.mkdtemp(prefix="egemma-run-"))
-        self.repo = render_repository(self.run_dir / "model_repository", checkpoint, encoder_params)
+        self.repo = render_repository(self.run_dir / "model_repository", checkpoint, params, repository)
         binary, backends = find_tritonserver()
         self.cmd = [str(binary), f"--model-repository={self.repo}", f"--backend-directory={backends}",
                     "--model-control-mode=none", "--exit-on-error=true", "--strict-readiness=true",
@@ -115,7 +116,9 @@ class TritonServer:
                     f"--grpc-port={grpc_port}", f"--metrics-address={host}", f"--metrics-port={metrics_port}",
                     *extra_args]
         env = dict(os.environ)
-        env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+        # The stub runs the Python whose bin is first on PATH: this one, or $TRITON_STUB_PATH (a numpy<2 venv).
+        stub_bin = os.environ.get("TRITON_STUB_PATH") or str(Path(sys.executable).parent)
+        env["PATH"] = f"{stub_bin}{os.pathsep}{env.get('PATH', '')}"
         # The stub links libpython dynamically; let it find this interpreter's own (its lib-dynload modules
         # need the matching patch release, not whatever the system ships).
         libdir = sysconfig.get_config_var("LIBDIR")
@@ -177,7 +180,7 @@ def main(argv=None):
     ap.add_argument("--metrics-port", type=int, default=8002)
     ap.add_argument("--run-dir", type=Path, default=ROOT / ".run", help="where the rendered repository goes")
     ap.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
-                    help="encoder parameter, e.g. attention_backend=fa2 (repeatable)")
+                    help="model parameter, e.g. attention_backend=fa2 (repeatable)")
     a = ap.parse_args(argv)
     ckpt = resolve_checkpoint(a.model)
     params = dict(p.split("=", 1) for p in a.param)

@@ -14,7 +14,13 @@ nvidia-smi --query-gpu=name,memory.used,clocks.sm,clocks.max.sm --format=csv,noh
 echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo '?') $(date -u +%FT%TZ)"
 mode="${1:-engine}"
 FULL=/tmp/egemma-full
-[ -f "$FULL/model.safetensors" ] || python3 scripts/make_checkpoint.py "$FULL" --full-size >/dev/null
+if [ ! -f "$FULL/model.safetensors" ]; then  # real shapes, random weights; the real Gemma tokenizer if carried
+  tok=()
+  if [ -f .gpu/gemma-tokenizer.txz ]; then
+    mkdir -p /tmp/gemma-tok && tar xJf .gpu/gemma-tokenizer.txz -C /tmp/gemma-tok && tok=(--tokenizer-from /tmp/gemma-tok)
+  fi
+  python3 scripts/make_checkpoint.py "$FULL" --full-size "${tok[@]}" >/dev/null
+fi
 if [ "$mode" = engine ] || [ "$mode" = all ]; then
   EGEMMA_FULL_CHECKPOINT="$FULL" python3 -m pytest -q -rs -p no:cacheprovider tests/test_kernels.py tests/test_gpu.py \
     2>&1 | tee "$OUT/gpu_tests.log" | tail -n 25
@@ -23,5 +29,7 @@ if [ "$mode" = engine ] || [ "$mode" = all ]; then
     | grep -v "^\s*$" | tail -n 12
 fi
 if [ "$mode" = serve ] || [ "$mode" = all ]; then
-  python3 perf/bench_serve.py "$FULL" --out "$OUT" 2>&1 | tee "$OUT/bench_serve.log" | tail -n 30
+  python3 perf/bench_serve.py "$FULL" --out /tmp/serve 2>&1 | tee "$OUT/bench_serve.log" | tail -n 30
+  cp /tmp/serve/results.json /tmp/serve/serve_w3.png "$OUT/" 2>/dev/null
+  tar czf "$OUT/serve.tgz" -C /tmp/serve .
 fi

@@ -58,12 +58,27 @@ def train_tokenizer(vocab_size: int, add_eos: bool, rng: random.Random) -> Token
     return tok
 
 
+def write_tokenizer(dest: Path, tok: Tokenizer, omit_eos: bool):
+    """tokenizer.json plus the GemmaTokenizer config files around it (ids beyond the trained vocabulary are
+    reachable as token ids only; full-size checkpoints use them in benchmarks)."""
+    tok.save(str(dest / "tokenizer.json"))
+    (dest / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "GemmaTokenizer", "add_bos_token": True, "add_eos_token": not omit_eos,
+        "bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>", "unk_token": "<unk>",
+        "model_max_length": 2048, "padding_side": "right", "clean_up_tokenization_spaces": False}, indent=2))
+    (dest / "special_tokens_map.json").write_text(json.dumps(
+        {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>", "unk_token": "<unk>"}, indent=2))
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("dest", type=Path)
     ap.add_argument("--full-size", action="store_true", help="real EmbeddingGemma shapes")
     ap.add_argument("--omit-eos", action="store_true", help="tokenizer config that does not append EOS")
     ap.add_argument("--bare", action="store_true", help="no sentence-transformers modules")
+    ap.add_argument("--tokenizer-from", type=Path, metavar="DIR",
+                    help="copy tokenizer.json / tokenizer_config.json / special_tokens_map.json from DIR "
+                         "(e.g. the real checkpoint) instead of training one")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
     rng = random.Random(a.seed)
@@ -107,14 +122,11 @@ def main(argv=None):
             w[p + k + ".weight"] = nw(D)
     save_file({k: v.contiguous() for k, v in w.items()}, str(a.dest / "model.safetensors"))
 
-    tok = train_tokenizer(1024, not a.omit_eos, rng)  # full size: ids past 1024 come as token ids directly
-    tok.save(str(a.dest / "tokenizer.json"))
-    (a.dest / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "GemmaTokenizer", "add_bos_token": True, "add_eos_token": not a.omit_eos,
-        "bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>", "unk_token": "<unk>",
-        "model_max_length": 2048, "padding_side": "right", "clean_up_tokenization_spaces": False}, indent=2))
-    (a.dest / "special_tokens_map.json").write_text(json.dumps(
-        {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>", "unk_token": "<unk>"}, indent=2))
+    if a.tokenizer_from:
+        for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            shutil.copy2(a.tokenizer_from / f, a.dest / f)
+    else:
+        write_tokenizer(a.dest, train_tokenizer(1024, not a.omit_eos, rng), a.omit_eos)
     if a.bare:
         print(a.dest)
         return

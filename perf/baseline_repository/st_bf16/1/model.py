@@ -1,0 +1,21 @@
+"""SentenceTransformer(checkpoint).encode in bf16 on the GPU, all texts of the dynamic batch in one call."""
+import torch
+import triton_python_backend_utils as pb_utils
+from sentence_transformers import SentenceTransformer
+
+from egemma.config import triton_params
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        checkpoint, _ = triton_params(args["model_config"])
+        self.model = SentenceTransformer(checkpoint, device="cuda").to(torch.bfloat16)
+
+    def execute(self, requests):
+        texts, spans = [], []
+        for req in requests:
+            batch = [t.decode("utf-8") for t in pb_utils.get_input_tensor_by_name(req, "TEXT").as_numpy().reshape(-1)]
+            spans.append((len(texts), len(texts) + len(batch)))
+            texts.extend(batch)
+        emb = self.model.encode(texts, batch_size=len(texts), convert_to_numpy=True).astype("float32")
+        return [pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("EMBEDDING", emb[a:b])]) for a, b in spans]
