@@ -22,6 +22,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from egemma.tokenizer import resolved_tokenizer_json
+
 ROOT = Path(__file__).resolve().parent.parent
 REPO = ROOT / "model_repository"
 DEMO = ROOT / ".cache" / "demo-checkpoint"
@@ -73,9 +75,10 @@ def resolve_checkpoint(model: str | None) -> Path:
     return DEMO
 
 
-def render_repository(dest: Path, checkpoint: Path, params: dict[str, str] | None = None, src: Path = REPO) -> Path:
+def render_repository(dest: Path, checkpoint: Path, params: dict[str, str] | None = None, src: Path = REPO,
+                      optional=()) -> Path:
     """Copy a model repository to dest with the checkpoint, and any other parameters, written into every model
-    config that declares them. A parameter no config declares is an error."""
+    config that declares them. A parameter no config declares is an error, unless named in optional."""
     if dest.exists():
         shutil.rmtree(dest)
     shutil.copytree(src, dest, ignore=shutil.ignore_patterns("__pycache__"))
@@ -89,8 +92,8 @@ def render_repository(dest: Path, checkpoint: Path, params: dict[str, str] | Non
                 text = pat.sub(lambda m: m.group(1) + '"%s"' % value, text)
                 used.add(key)
         cfg.write_text(text)
-    if set(params) - used:
-        raise ValueError(f"no model in {src} takes parameters {sorted(set(params) - used)}")
+    if set(params) - used - set(optional):
+        raise ValueError(f"no model in {src} takes parameters {sorted(set(params) - used - set(optional))}")
     return dest
 
 
@@ -108,7 +111,11 @@ class TritonServer:
                  extra_args=(), ready_timeout=600.0, repository: Path = REPO):
         self.host, self.http_port, self.grpc_port, self.metrics_port = host, http_port, grpc_port, metrics_port
         self.run_dir = Path(run_dir or tempfile.mkdtemp(prefix="egemma-run-"))
-        self.repo = render_repository(self.run_dir / "model_repository", checkpoint, params, repository)
+        tokenizer_json = self.run_dir / "tokenizer.json"
+        tokenizer_json.write_text(resolved_tokenizer_json(checkpoint))
+        params = {"tokenizer_json": str(tokenizer_json), **(params or {})}
+        self.repo = render_repository(self.run_dir / "model_repository", checkpoint, params, repository,
+                                      optional=("tokenizer_json",))
         binary, backends = find_tritonserver()
         self.cmd = [str(binary), f"--model-repository={self.repo}", f"--backend-directory={backends}",
                     "--model-control-mode=none", "--exit-on-error=true", "--strict-readiness=true",

@@ -5,9 +5,15 @@ from __future__ import annotations
 
 import numpy as np
 from tokenizers import Tokenizer
-from transformers import AutoTokenizer
 
 from egemma.config import ModelConfig
+
+
+def resolved_tokenizer_json(path) -> str:
+    """The Rust tokenizer exactly as transformers builds it for this checkpoint (its tokenizer class may rebuild
+    the pipeline and the BOS/EOS post-processor from tokenizer_config.json): what sentence-transformers uses."""
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(str(path)).backend_tokenizer.to_str()
 
 
 class PromptError(ValueError):
@@ -15,12 +21,12 @@ class PromptError(ValueError):
 
 
 class TextTokenizer:
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tokenizer_json: str | None = None):
+        """tokenizer_json: a file written from `resolved_tokenizer_json` (the serve launcher writes one, so the
+        server's Python needs no transformers); by default it is resolved here."""
         self.cfg = cfg
-        # Loaded through transformers so the post-processor is the one sentence-transformers gets; then a
-        # private copy of the Rust tokenizer so our truncation settings are ours alone.
-        hf = AutoTokenizer.from_pretrained(str(cfg.path))
-        self.tok = Tokenizer.from_str(hf.backend_tokenizer.to_str())
+        self.tok = Tokenizer.from_file(tokenizer_json) if tokenizer_json else \
+            Tokenizer.from_str(resolved_tokenizer_json(cfg.path))
         self.tok.no_padding()
         self.tok.no_truncation()
         plain = self.tok.encode("a", add_special_tokens=False).ids

@@ -162,11 +162,16 @@ def main():
         suites.append(("st_bf16", ROOT / "perf" / "baseline_repository", "st_bf16", False))
     for name, repo, model, full in suites:
         t0 = time.perf_counter()
-        with open(a.out / f"server_{name}.log", "w") as slog, \
-                TritonServer(a.checkpoint, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
-                             log_file=slog, repository=repo) as s:
-            print(f"{name}: server ready in {time.perf_counter() - t0:.1f}s", flush=True)
-            results[name] = run_suite(name, s.grpc_url, model, data, a.out, log, full)
+        try:
+            with open(a.out / f"server_{name}.log", "w") as slog, \
+                    TritonServer(a.checkpoint, http_port=free_port(), grpc_port=free_port(),
+                                 metrics_port=free_port(), log_file=slog, repository=repo) as s:
+                print(f"{name}: server ready in {time.perf_counter() - t0:.1f}s", flush=True)
+                results[name] = run_suite(name, s.grpc_url, model, data, a.out, log, full)
+        except RuntimeError as e:
+            errors = [ln for ln in open(a.out / f"server_{name}.log") if ln.startswith("E")]
+            print(f"{name}: server failed: {e}\n{''.join(errors)[:1500]}", flush=True)
+            continue
         print(f"{name}: {json.dumps(results[name])}", flush=True)
     (a.out / "results.json").write_text(json.dumps(results, indent=2))
     plot(results, a.out)

@@ -29,6 +29,7 @@ if [ "$mode" = engine ] || [ "$mode" = all ]; then
     | grep -v "^\s*$" | tail -n 12
 fi
 if [ "$mode" = serve ] || [ "$mode" = all ]; then
+  "$TRITON_STUB_PATH/python3" -c "import sentence_transformers" 2>&1 | tail -n 3 | sed 's/^/stub env: /'
   python3 perf/bench_serve.py "$FULL" --out /tmp/serve 2>&1 | tee "$OUT/bench_serve.log" | tail -n 30
   cp /tmp/serve/results.json /tmp/serve/serve_w3.png "$OUT/" 2>/dev/null
   tar czf "$OUT/serve.tgz" -C /tmp/serve .

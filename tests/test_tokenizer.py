@@ -37,3 +37,16 @@ def test_unknown_prompt_lists_valid_names(checkpoints):
         tok.prefix(prompt_name="nope")
     assert tok.prefix(prompt="literal: ") == "literal: "
     assert tok.prefix() == ""
+
+
+@pytest.mark.parametrize("variant", ["eos", "noeos"])
+def test_resolved_tokenizer_file_gives_the_same_ids(checkpoints, variant, tmp_path):
+    """The serve launcher hands the tokenizer model a pre-resolved tokenizer.json: same ids as resolving it."""
+    from egemma.tokenizer import resolved_tokenizer_json
+    cfg = ModelConfig.load(checkpoints[variant])
+    f = tmp_path / "tokenizer.json"
+    f.write_text(resolved_tokenizer_json(checkpoints[variant]))
+    texts = EDGE + make_texts(10, 300)
+    a, b = TextTokenizer(cfg, str(f)), TextTokenizer(cfg)
+    assert (a.adds_bos, a.adds_eos) == (b.adds_bos, b.adds_eos)
+    assert [s.tolist() for s in a.encode(texts)] == [s.tolist() for s in b.encode(texts)]

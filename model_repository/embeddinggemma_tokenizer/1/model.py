@@ -9,9 +9,9 @@ from egemma.tokenizer import TextTokenizer
 
 class TritonPythonModel:
     def initialize(self, args):
-        checkpoint, _ = triton_params(args["model_config"])
+        checkpoint, params = triton_params(args["model_config"])
         self.cfg = ModelConfig.load(checkpoint)
-        self.tok = TextTokenizer(self.cfg)
+        self.tok = TextTokenizer(self.cfg, params.get("tokenizer_json"))
 
     def execute(self, requests):
         texts, spans, errors = [], [], [None] * len(requests)
