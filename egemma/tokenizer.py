@@ -35,6 +35,7 @@ class TextTokenizer:
         self.adds_eos = full[-1:] == [cfg.eos_id] and len(full) == len(plain) + self.adds_bos + 1
         if len(full) != len(plain) + self.adds_bos + self.adds_eos:
             raise ValueError(f"{cfg.path}: the tokenizer adds special tokens other than BOS/EOS: {full} vs {plain}")
+        self.untruncated = Tokenizer.from_str(self.tok.to_str())  # for lengths: truncation is per Tokenizer
         budget = cfg.max_seq_length - (not self.adds_bos) - (not self.adds_eos)
         self.tok.enable_truncation(max_length=budget)
         self.max_length = cfg.max_seq_length
@@ -54,7 +55,7 @@ class TextTokenizer:
 
     def untruncated_length(self, text: str) -> int:
         """Tokens the text would take without truncation, specials included."""
-        return len(self.tok.encode(text, add_special_tokens=False).ids) + 2
+        return len(self.untruncated.encode(text, add_special_tokens=False).ids) + 2
 
     def encode(self, texts: list[str]) -> list[np.ndarray]:
         """int32 id arrays, BOS ... EOS, at most max_seq_length long. One batched call for all texts."""

@@ -114,5 +114,6 @@ def server(checkpoints, tmp_path_factory):
     d = tmp_path_factory.mktemp("server")
     with open(d / "tritonserver.log", "w") as log, \
             TritonServer(checkpoints["eos"], http_port=free_port(), grpc_port=free_port(),
-                         metrics_port=free_port(), run_dir=d, log_file=log, ready_timeout=300) as s:
+                         metrics_port=free_port(), run_dir=d, log_file=log, ready_timeout=300,
+                         params={"matryoshka_dims": "48,32,16"}) as s:
         yield s

@@ -45,11 +45,13 @@ def test_over_long_text_is_truncated_like_sentence_transformers(server, checkpoi
     assert_matches(got, reference(checkpoints["eos"], texts))
 
 
-def fire_concurrently(c, jobs):
-    """jobs: [(model, inputs)]; all sent at once with async_infer; returns [(result, error)] in job order."""
+def fire_concurrently(c, jobs, parameters=None):
+    """jobs: [(model, inputs)]; all sent at once with async_infer (with per-job request parameters if given);
+    returns [(result, error)] in job order."""
     done = queue.Queue()
     for k, (model, inputs) in enumerate(jobs):
-        c.async_infer(model, inputs, callback=lambda result, error, k=k: done.put((k, result, error)))
+        c.async_infer(model, inputs, callback=lambda result, error, k=k: done.put((k, result, error)),
+                      parameters=parameters[k] if parameters else None)
     out = [None] * len(jobs)
     for _ in jobs:
         k, r, e = done.get(timeout=120)

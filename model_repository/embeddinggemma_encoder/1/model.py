@@ -1,58 +1,86 @@
 """Triton adapter: INPUT_IDS [n, L] (+ SEQ_LEN [n, 1]) -> EMBEDDING [n, D] with egemma.runner.Engine.
 Every row of every request in the dynamic batch is packed into one varlen token batch; a malformed request
-gets its own error and never fails the others."""
+gets its own error and never fails the others. Request parameters: dimensions (Matryoshka truncation +
+renormalisation), encoding (float -> EMBEDDING, ubinary -> EMBEDDING_UBINARY, binary -> EMBEDDING_BINARY)."""
 import logging
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from egemma.config import triton_params
+from egemma.options import OptionError, RequestOptions, allowed_dimensions, shape_output
 from egemma.runner import Engine, EngineConfig
+
+
+def _invalid(message):
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, pb_utils.TritonError.INVALID_ARG))
 
 
 class TritonPythonModel:
     def initialize(self, args):
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
         checkpoint, params = triton_params(args["model_config"])
+        dims_spec = params.pop("matryoshka_dims", "")
         if args.get("model_instance_kind") == "GPU":
             params.setdefault("device", f"cuda:{args['model_instance_device_id']}")
         self.engine = Engine(EngineConfig.from_params(checkpoint, params))
+        self.dims = allowed_dimensions(dims_spec, self.engine.cfg.out_dim)
+        # A Metric must not outlive its MetricFamily: keep both.
+        self.families = {k: pb_utils.MetricFamily(name=f"egemma_{k}_total", description=d,
+                                                  kind=pb_utils.MetricFamily.COUNTER) for k, d in (
+            ("tokens", "Tokens embedded"), ("sequences", "Sequences embedded"), ("executes", "execute() calls"),
+            ("graph_replays", "Forwards replayed from a CUDA graph"), ("eager_runs", "Forwards run eagerly"))}
+        self.metrics = {k: f.Metric(labels={}) for k, f in self.families.items()}
+        self.seen = dict(self.engine.stats)
 
     def _rows(self, req) -> list[np.ndarray]:
         ids = pb_utils.get_input_tensor_by_name(req, "INPUT_IDS").as_numpy()
         if ids.ndim != 2:
-            raise ValueError(f"INPUT_IDS must be [batch, tokens], got shape {list(ids.shape)}")
+            raise OptionError(f"INPUT_IDS must be [batch, tokens], got shape {list(ids.shape)}")
         sl = pb_utils.get_input_tensor_by_name(req, "SEQ_LEN")
         lens = sl.as_numpy().reshape(-1) if sl is not None else np.full(ids.shape[0], ids.shape[1])
         if lens.shape[0] != ids.shape[0]:
-            raise ValueError(f"SEQ_LEN has {lens.shape[0]} rows, INPUT_IDS {ids.shape[0]}")
+            raise OptionError(f"SEQ_LEN has {lens.shape[0]} rows, INPUT_IDS {ids.shape[0]}")
         rows = []
         for j, n in enumerate(lens.tolist()):
             if not 1 <= n <= ids.shape[1]:
-                raise ValueError(f"SEQ_LEN[{j}] = {n} is outside [1, {ids.shape[1]}]")
+                raise OptionError(f"SEQ_LEN[{j}] = {n} is outside [1, {ids.shape[1]}]")
             rows.append(ids[j, :n])
             why = self.engine.check(rows[-1])
             if why:
-                raise ValueError(f"row {j}: {why}")
+                raise OptionError(f"row {j}: {why}")
         return rows
 
     def execute(self, requests):
         seqs, spans, responses = [], [], [None] * len(requests)
         for i, req in enumerate(requests):
             try:
+                opts = RequestOptions.parse(req.parameters())
+                if opts.dimensions is not None and opts.dimensions not in self.dims:
+                    raise OptionError(f"dimensions {opts.dimensions} is not supported; choose from {list(self.dims)}")
                 rows = self._rows(req)
-            except ValueError as e:
-                responses[i] = pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e)))
+            except OptionError as e:
+                responses[i] = _invalid(str(e))
                 continue
-            spans.append((i, len(seqs), len(seqs) + len(rows)))
+            spans.append((i, len(seqs), len(seqs) + len(rows), opts))
             seqs.extend(rows)
         try:
             emb = self.engine.embed(seqs)
         except Exception as e:  # an engine fault fails this batch's requests cleanly, not the stub
             logging.getLogger("egemma").exception("engine failure")
-            for i, _, _ in spans:
+            for i, _, _, _ in spans:
                 responses[i] = pb_utils.InferenceResponse(error=pb_utils.TritonError(f"engine failure: {e}"))
             return responses
-        for i, a, b in spans:
-            responses[i] = pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("EMBEDDING", emb[a:b])])
+        for i, a, b, opts in spans:
+            name, out = shape_output(emb[a:b], opts, self.dims)
+            responses[i] = pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(name, out)])
+        self._count(len(seqs))
         return responses
+
+    def _count(self, n_seqs):
+        self.metrics["executes"].increment(1)
+        self.metrics["sequences"].increment(n_seqs)
+        for k, v in self.engine.stats.items():
+            if v != self.seen[k]:
+                self.metrics[k].increment(v - self.seen[k])
+        self.seen = dict(self.engine.stats)

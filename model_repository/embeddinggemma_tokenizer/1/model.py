@@ -1,10 +1,19 @@
 """Triton adapter: TEXT -> INPUT_IDS / SEQ_LEN with egemma.tokenizer. All texts of all requests in the dynamic
-batch go through one batched tokenizer call; a bad request gets its own error, the others their ids."""
+batch go through one batched tokenizer call; a bad request gets its own error, the others their ids.
+Request parameters: prompt_name / prompt (prepended, as SentenceTransformer.encode), truncate (false: an
+over-long text is an error); every option is parsed here, so malformed ones fail before tokenising."""
+import time
+
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from egemma.config import ModelConfig, triton_params
-from egemma.tokenizer import TextTokenizer
+from egemma.options import OptionError, RequestOptions
+from egemma.tokenizer import PromptError, TextTokenizer
+
+
+def _invalid(message):
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, pb_utils.TritonError.INVALID_ARG))
 
 
 class TritonPythonModel:
@@ -12,29 +21,56 @@ class TritonPythonModel:
         checkpoint, params = triton_params(args["model_config"])
         self.cfg = ModelConfig.load(checkpoint)
         self.tok = TextTokenizer(self.cfg, params.get("tokenizer_json"))
+        self.max_text_bytes = int(params.get("max_text_bytes", 1_000_000))
+        # A Metric must not outlive its MetricFamily: keep both.
+        self.families = [pb_utils.MetricFamily(name=n, description=d, kind=pb_utils.MetricFamily.COUNTER) for n, d in
+                         (("egemma_tokenizer_seconds_total", "Time spent tokenising, seconds"),
+                          ("egemma_texts_total", "Texts tokenised"))]
+        self.seconds, self.texts = (f.Metric(labels={}) for f in self.families)
+
+    def _texts(self, req) -> tuple[list[str], RequestOptions]:
+        opts = RequestOptions.parse(req.parameters())
+        prefix = self.tok.prefix(opts.prompt_name, opts.prompt)
+        out = []
+        for j, t in enumerate(pb_utils.get_input_tensor_by_name(req, "TEXT").as_numpy().reshape(-1)):
+            raw = t if isinstance(t, bytes) else str(t).encode()
+            if len(raw) > self.max_text_bytes:
+                raise OptionError(f"text {j} has {len(raw)} bytes, over this server's max_text_bytes "
+                                  f"({self.max_text_bytes})")
+            try:
+                out.append(prefix + raw.decode("utf-8"))
+            except UnicodeDecodeError as e:
+                raise OptionError(f"text {j} is not valid UTF-8: {e}") from None
+        return out, opts
 
     def execute(self, requests):
-        texts, spans, errors = [], [], [None] * len(requests)
+        t0 = time.perf_counter()
+        texts, spans, responses = [], [], [None] * len(requests)
         for i, req in enumerate(requests):
             try:
-                raw = pb_utils.get_input_tensor_by_name(req, "TEXT").as_numpy().reshape(-1)
-                batch = [t.decode("utf-8") if isinstance(t, bytes) else str(t) for t in raw]
-            except UnicodeDecodeError as e:
-                errors[i] = f"TEXT is not valid UTF-8: {e}"
+                batch, opts = self._texts(req)
+            except (OptionError, PromptError) as e:
+                responses[i] = _invalid(str(e))
                 continue
-            spans.append((i, len(texts), len(texts) + len(batch)))
+            spans.append((i, len(texts), len(texts) + len(batch), opts.truncate))
             texts.extend(batch)
         ids = self.tok.encode(texts)
-        responses = [None] * len(requests)
-        for i, a, b in spans:
+        for i, a, b, truncate in spans:
             rows = ids[a:b]
             lens = np.array([len(r) for r in rows], dtype=np.int32)
+            if not truncate:  # only texts that reached the limit can have been cut
+                over = [(j, n) for j in np.flatnonzero(lens == self.tok.max_length)
+                        if (n := self.tok.untruncated_length(texts[a + j])) > self.tok.max_length]
+                if over:
+                    j, n = over[0]
+                    responses[i] = _invalid(
+                        f"text {j} has {n} tokens, over the {self.tok.max_length}-token limit (truncate=false)")
+                    continue
             out = np.full((len(rows), int(lens.max(initial=1))), self.cfg.pad_id, dtype=np.int32)
             for j, r in enumerate(rows):
                 out[j, :len(r)] = r
             responses[i] = pb_utils.InferenceResponse(output_tensors=[
                 pb_utils.Tensor("INPUT_IDS", out), pb_utils.Tensor("SEQ_LEN", lens[:, None])])
-        for i, msg in enumerate(errors):
-            if msg is not None:
-                responses[i] = pb_utils.InferenceResponse(error=pb_utils.TritonError(msg))
+        self.texts.increment(len(texts))
+        self.seconds.increment(time.perf_counter() - t0)
         return responses

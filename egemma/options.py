@@ -1,0 +1,71 @@
+"""Per-request options, sent as KServe request `parameters` to the ensemble (which forwards them to both
+models). Defaults reproduce plain SentenceTransformer.encode."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import numpy as np
+
+OUTPUTS = {"float": "EMBEDDING", "ubinary": "EMBEDDING_UBINARY", "binary": "EMBEDDING_BINARY"}
+MATRYOSHKA = (768, 512, 256, 128)  # the sizes EmbeddingGemma was trained to truncate to
+
+
+class OptionError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class RequestOptions:
+    prompt_name: str | None = None  # a name from config_sentence_transformers.json
+    prompt: str | None = None  # a literal prefix
+    dimensions: int | None = None  # Matryoshka truncation, then renormalisation
+    truncate: bool = True  # False: a text over max_seq_length is an error instead of being cut
+    encoding: str = "float"  # float | ubinary | binary (sentence-transformers quantize_embeddings)
+
+    @classmethod
+    def parse(cls, parameters_json: str | None) -> "RequestOptions":
+        p = json.loads(parameters_json or "{}")
+        unknown = sorted(set(p) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise OptionError(f"unknown parameters {unknown}; known: {sorted(cls.__dataclass_fields__)}")
+        for k in ("prompt_name", "prompt"):
+            if k in p and not isinstance(p[k], str):
+                raise OptionError(f"{k} must be a string")
+        if "dimensions" in p:
+            try:
+                p["dimensions"] = int(p["dimensions"])
+            except (TypeError, ValueError):
+                raise OptionError(f"dimensions must be an integer, got {p['dimensions']!r}") from None
+        if "truncate" in p:
+            t = p["truncate"]
+            if isinstance(t, str) and t.lower() in ("true", "false"):
+                t = t.lower() == "true"
+            if not isinstance(t, bool):
+                raise OptionError(f"truncate must be true or false, got {p['truncate']!r}")
+            p["truncate"] = t
+        if p.get("encoding", "float") not in OUTPUTS:
+            raise OptionError(f"encoding {p['encoding']!r} is not one of {sorted(OUTPUTS)}")
+        return cls(**p)
+
+
+def allowed_dimensions(spec: str, out_dim: int) -> tuple[int, ...]:
+    """From a config parameter like "768,512,256,128"; empty: out_dim and the Matryoshka sizes below it."""
+    dims = tuple(int(d) for d in spec.split(",") if d.strip()) if spec.strip() else \
+        (out_dim, *(d for d in MATRYOSHKA if d < out_dim))
+    if any(not 0 < d <= out_dim for d in dims):
+        raise ValueError(f"matryoshka_dims {dims} must lie in [1, {out_dim}]")
+    return dims
+
+
+def shape_output(emb: np.ndarray, opts: RequestOptions, allowed: tuple[int, ...]) -> tuple[str, np.ndarray]:
+    """(output name, tensor) for one request's fp32 embeddings [n, D]: truncate + renormalise, then quantize."""
+    if opts.dimensions is not None and opts.dimensions != emb.shape[1]:
+        if opts.dimensions not in allowed:
+            raise OptionError(f"dimensions {opts.dimensions} is not supported; choose from {list(allowed)}")
+        emb = emb[:, :opts.dimensions]
+        emb = emb / np.maximum(np.linalg.norm(emb, axis=1, keepdims=True), 1e-12)
+    if opts.encoding == "float":
+        return OUTPUTS["float"], np.ascontiguousarray(emb, dtype=np.float32)
+    bits = np.packbits(emb > 0, axis=-1)
+    return OUTPUTS[opts.encoding], bits if opts.encoding == "ubinary" else (bits - 128).astype(np.int8)

@@ -1,0 +1,87 @@
+"""Per-request options through the real server against sentence-transformers on the same checkpoint, every
+error path as a clean per-request INVALID_ARG inside a mixed concurrent batch, and the metrics."""
+import urllib.request
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from sentence_transformers.util import quantize_embeddings
+
+from conftest import cosine, make_texts, reference, st_model
+from test_server import assert_matches, fire_concurrently, text_input
+
+TEXTS = make_texts(10, 200, seed=7)
+
+
+def infer(server, texts, output="EMBEDDING", **params):
+    c = grpcclient.InferenceServerClient(server.grpc_url)
+    return c.infer("embeddinggemma", [text_input(grpcclient, texts)], parameters=params,
+                   outputs=[grpcclient.InferRequestedOutput(output)]).as_numpy(output)
+
+
+@pytest.mark.parametrize("prompt_name", ["query", "document", "Retrieval-query", "STS", "Classification"])
+def test_prompt_name(server, checkpoints, prompt_name):
+    assert_matches(infer(server, TEXTS, prompt_name=prompt_name),
+                   reference(checkpoints["eos"], TEXTS, prompt_name=prompt_name))
+
+
+def test_literal_prompt_over_http(server, checkpoints):
+    c = httpclient.InferenceServerClient(server.http_url)
+    got = c.infer("embeddinggemma", [text_input(httpclient, TEXTS)],
+                  parameters={"prompt": "task: custom | query: "}).as_numpy("EMBEDDING")
+    assert_matches(got, reference(checkpoints["eos"], TEXTS, prompt="task: custom | query: "))
+
+
+@pytest.mark.parametrize("dim", [32, 16, 48])
+def test_dimensions_truncate_then_renormalise(server, checkpoints, dim):
+    got = infer(server, TEXTS, dimensions=dim)
+    ref = st_model(checkpoints["eos"]).encode(TEXTS, truncate_dim=dim, normalize_embeddings=True)
+    assert got.shape == (len(TEXTS), dim)
+    assert cosine(got, ref).min() >= 0.99999 and np.abs(got - ref).max() <= 1e-5
+
+
+@pytest.mark.parametrize("encoding,output", [("ubinary", "EMBEDDING_UBINARY"), ("binary", "EMBEDDING_BINARY")])
+def test_binary_encodings(server, checkpoints, encoding, output):
+    got = infer(server, TEXTS, output=output, encoding=encoding, dimensions=32)
+    ref = quantize_embeddings(st_model(checkpoints["eos"]).encode(TEXTS, truncate_dim=32, normalize_embeddings=True),
+                              precision=encoding)
+    assert got.dtype == ref.dtype and got.shape == (len(TEXTS), 4)
+    # a bit can only flip where the float sits within rounding of zero
+    assert (got != ref).mean() <= 0.01
+
+
+def test_truncate_true_is_the_default(server, checkpoints):
+    long = ["kalo the " * 3000]
+    assert_matches(infer(server, long, truncate=True), reference(checkpoints["eos"], long))
+
+
+def test_error_paths_are_per_request_inside_a_mixed_concurrent_batch(server, checkpoints):
+    c = grpcclient.InferenceServerClient(server.grpc_url)
+    good = make_texts(12, 300, seed=8)
+    bad = [({"prompt_name": "nope"}, "Retrieval-query"), ({"dimensions": 20}, "choose from"),
+           ({"truncate": False}, "over the 2048-token limit"), ({"encoding": "int4"}, "not one of"),
+           ({"colour": "blue"}, "unknown parameters"), ({"dimensions": "x"}, "integer")]
+    jobs = [("embeddinggemma", [text_input(grpcclient, [t])], {}, None) for t in good]
+    for params, needle in bad:  # interleaved with the good ones
+        text = "kalo the " * 3000 if params.get("truncate") is False else "fine text"
+        jobs.insert(len(jobs) // 2, ("embeddinggemma", [text_input(grpcclient, [text])], params, needle))
+    results = fire_concurrently(c, [(m, i) for m, i, _, _ in jobs], [p for _, _, p, _ in jobs])
+    ref = iter(reference(checkpoints["eos"], good))
+    for (r, e), (_, _, _, needle) in zip(results, jobs):
+        if needle is None:
+            assert e is None, e
+            assert_matches(r.as_numpy("EMBEDDING"), next(ref)[None])
+        else:
+            assert e is not None and needle in str(e) and "INVALID_ARG" in str(e), (needle, e)
+    assert c.is_server_ready()
+
+
+def test_metrics_are_exported(server):
+    infer(server, ["count me"])
+    text = urllib.request.urlopen(f"http://{server.host}:{server.metrics_port}/metrics").read().decode()
+    values = {ln.split()[0]: float(ln.split()[1]) for ln in text.splitlines() if ln.startswith("egemma_")}
+    for name in ("egemma_tokens_total", "egemma_sequences_total", "egemma_executes_total", "egemma_texts_total",
+                 "egemma_tokenizer_seconds_total", "egemma_eager_runs_total", "egemma_graph_replays_total"):
+        assert name in values
+    assert values["egemma_tokens_total"] > 0 and values["egemma_texts_total"] > 0
