@@ -66,6 +66,30 @@ def perf_analyzer(url, model, data, out_csv, extra, log):
             "compute_ms": float(row["Server Compute Infer"]) / 1e3}
 
 
+def model_stats(c) -> dict:
+    """Cumulative per-model counts and times (ns) from Triton's statistics API."""
+    out = {}
+    for m in c.get_inference_statistics(as_json=True).get("model_stats", []):
+        st = m.get("inference_stats", {})
+        out[m["name"]] = {"inferences": int(m.get("inference_count", 0)), "executions": int(m.get("execution_count", 0)),
+                          **{k: int(st.get(k, {}).get("ns", 0)) for k in
+                             ("queue", "compute_input", "compute_infer", "compute_output")}}
+    return out
+
+
+def stats_delta(before, after) -> dict:
+    """Per model: executions and ms per execution of queue / compute input / infer / output in a window."""
+    out = {}
+    for name, a in after.items():
+        b = before.get(name, {})
+        n = a["executions"] - b.get("executions", 0)
+        if n:
+            out[name] = {"executions": n, "inferences": a["inferences"] - b.get("inferences", 0),
+                         **{k: (a[k] - b.get(k, 0)) / n / 1e6 for k in
+                            ("queue", "compute_input", "compute_infer", "compute_output")}}
+    return out
+
+
 def w1(url, model, texts, reps=40):
     c = grpcclient.InferenceServerClient(url)
     i = grpcclient.InferInput("TEXT", [len(texts), 1], "BYTES")
@@ -73,12 +97,14 @@ def w1(url, model, texts, reps=40):
     for _ in range(5):
         c.infer(model, [i])
     ts = []
+    before = model_stats(c)
     for _ in range(reps):
         t0 = time.perf_counter()
         c.infer(model, [i])
         ts.append((time.perf_counter() - t0) * 1e3)
     ts.sort()
-    return {"p50_ms": statistics.median(ts), "p99_ms": ts[int(0.99 * (len(ts) - 1))]}
+    return {"p50_ms": statistics.median(ts), "p99_ms": ts[int(0.99 * (len(ts) - 1))],
+            "per_model_ms_per_execution": stats_delta(before, model_stats(c))}
 
 
 def gpu_util(seconds_log):
@@ -184,6 +210,11 @@ def summary(results):
     print(f"\n{'workload':<34}" + "".join(f"{n:>22}" for n in results))
     rows = [("w1 8x2048 p50 / p99 ms", lambda r: f"{f(r['w1'], 'p50_ms')} / {f(r['w1'], 'p99_ms')}"),
             ("w2 1 query p50 / p99 ms", lambda r: f"{f(r['w2'], 'p50_ms')} / {f(r['w2'], 'p99_ms')}")]
+    def split(r):
+        m = r["w1"].get("per_model_ms_per_execution", {})
+        return " / ".join(f"{m[k]['compute_infer']:.1f}" if k in m else "-"
+                          for k in ("embeddinggemma_tokenizer", "embeddinggemma_encoder"))
+    rows.append(("w1 tokenizer / encoder infer ms", split))
     for c in CONCURRENCY:
         rows.append((f"w3 c={c} req/s (p50 ms)", lambda r, c=c: f"{f(r['w3'].get(c), 'rps')} "
                                                                  f"({f(r['w3'].get(c), 'p50_ms')})"))
