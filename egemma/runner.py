@@ -75,12 +75,13 @@ class Engine:
             self.graphs = GraphRunner(self, capture=ec.cuda_graphs)
         self.stats = {"graph_replays": 0, "eager_runs": 0, "tokens": 0}
 
-    def check(self, seq: np.ndarray) -> str | None:
-        """Why this id sequence cannot be embedded, or None."""
-        if seq.ndim != 1 or seq.size == 0:
-            return "an id sequence must be 1-D and non-empty"
-        if seq.size > self.cfg.max_positions:
-            return f"sequence of {seq.size} tokens exceeds the model's {self.cfg.max_positions} positions"
+    def check(self, ids: np.ndarray, max_len: int | None = None) -> str | None:
+        """Why these ids (one sequence, or several rows' ids flattened) cannot be embedded, or None."""
+        n = ids.size if max_len is None else max_len
+        if ids.ndim != 1 or ids.size == 0:
+            return "ids must be 1-D and non-empty"
+        if n > self.cfg.max_positions:
+            return f"sequence of {n} tokens exceeds the model's {self.cfg.max_positions} positions"
         lo, hi = int(seq.min()), int(seq.max())
         if lo < 0 or hi >= self.cfg.vocab_size:
             return f"token id {lo if lo < 0 else hi} outside the vocabulary [0, {self.cfg.vocab_size})"

@@ -41,15 +41,12 @@ class TritonPythonModel:
         lens = sl.as_numpy().reshape(-1) if sl is not None else np.full(ids.shape[0], ids.shape[1])
         if lens.shape[0] != ids.shape[0]:
             raise OptionError(f"SEQ_LEN has {lens.shape[0]} rows, INPUT_IDS {ids.shape[0]}")
-        rows = []
-        for j, n in enumerate(lens.tolist()):
-            if not 1 <= n <= ids.shape[1]:
-                raise OptionError(f"SEQ_LEN[{j}] = {n} is outside [1, {ids.shape[1]}]")
-            rows.append(ids[j, :n])
-            why = self.engine.check(rows[-1])
-            if why:
-                raise OptionError(f"row {j}: {why}")
-        return rows
+        if lens.size and not (1 <= lens.min() and lens.max() <= ids.shape[1]):
+            raise OptionError(f"SEQ_LEN values must lie in [1, {ids.shape[1]}], got {lens.tolist()}")
+        why = self.engine.check(ids.reshape(-1), ids.shape[1]) if ids.size else None  # padding is a valid id
+        if why:
+            raise OptionError(why)
+        return [ids[j, :n] for j, n in enumerate(lens.tolist())]
 
     def execute(self, requests):
         seqs, spans, responses = [], [], [None] * len(requests)
