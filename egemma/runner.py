@@ -82,7 +82,7 @@ class Engine:
             return "ids must be 1-D and non-empty"
         if n > self.cfg.max_positions:
             return f"sequence of {n} tokens exceeds the model's {self.cfg.max_positions} positions"
-        lo, hi = int(seq.min()), int(seq.max())
+        lo, hi = int(ids.min()), int(ids.max())
         if lo < 0 or hi >= self.cfg.vocab_size:
             return f"token id {lo if lo < 0 else hi} outside the vocabulary [0, {self.cfg.vocab_size})"
         return None

@@ -59,6 +59,10 @@ class TritonPythonModel:
             except OptionError as e:
                 responses[i] = _invalid(str(e))
                 continue
+            except Exception as e:  # a bug must cost this request only, never the batch
+                logging.getLogger("egemma").exception("bad request")
+                responses[i] = pb_utils.InferenceResponse(error=pb_utils.TritonError(f"internal error: {e}"))
+                continue
             spans.append((i, len(seqs), len(seqs) + len(rows), opts))
             seqs.extend(rows)
         try:

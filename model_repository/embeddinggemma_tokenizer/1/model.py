@@ -52,6 +52,9 @@ class TritonPythonModel:
             except (OptionError, PromptError) as e:
                 responses[i] = _invalid(str(e))
                 continue
+            except Exception as e:  # a bug must cost this request only, never the batch
+                responses[i] = pb_utils.InferenceResponse(error=pb_utils.TritonError(f"internal error: {e}"))
+                continue
             spans.append((i, len(texts), len(texts) + len(batch), opts.truncate))
             texts.extend(batch)
         ids = self.tok.encode(texts)
