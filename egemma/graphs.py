@@ -131,9 +131,12 @@ class GraphRunner:
         t, m = key
         self._fill_dummy(key)
         cu = self.meta[3 * t:3 * t + self.slots(t) + 2].int()
-        q = torch.randn(t, c.heads, c.head_dim, device=dev, dtype=dt)
-        k = torch.randn(t, c.kv_heads, c.head_dim, device=dev, dtype=dt)
-        v = torch.randn(t, c.kv_heads, c.head_dim, device=dev, dtype=dt)
+        # q / k / v exactly as the forward makes them (v stays a strided view of the qkv GEMM output):
+        # timed on other layouts, the ranking came out differently than inside the graphs.
+        qkv = torch.randn(t, (c.heads + 2 * c.kv_heads) * c.head_dim, device=dev, dtype=dt)
+        L = self.e.model.layers[0]
+        q, k, v = self.e.ops.qk_norm_rope(qkv, self.meta[t:2 * t], L.q_norm, L.k_norm, *self.e.model.rope[True],
+                                          c.heads, c.kv_heads, c.eps)
         best = []
         for window in (c.window, -1):
             fns = {name: attention_fn(name) for name in cands}
