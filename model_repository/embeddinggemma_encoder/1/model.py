@@ -8,6 +8,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from egemma.config import triton_params
+from egemma.metrics import Counters
 from egemma.options import OptionError, RequestOptions, allowed_dimensions, shape_output
 from egemma.runner import Engine, EngineConfig
 
@@ -25,12 +26,9 @@ class TritonPythonModel:
             params.setdefault("device", f"cuda:{args['model_instance_device_id']}")
         self.engine = Engine(EngineConfig.from_params(checkpoint, params))
         self.dims = allowed_dimensions(dims_spec, self.engine.cfg.out_dim)
-        # A Metric must not outlive its MetricFamily: keep both.
-        self.families = {k: pb_utils.MetricFamily(name=f"egemma_{k}_total", description=d,
-                                                  kind=pb_utils.MetricFamily.COUNTER) for k, d in (
-            ("tokens", "Tokens embedded"), ("sequences", "Sequences embedded"), ("executes", "execute() calls"),
-            ("graph_replays", "Forwards replayed from a CUDA graph"), ("eager_runs", "Forwards run eagerly"))}
-        self.metrics = {k: f.Metric(labels={}) for k, f in self.families.items()}
+        self.counters = Counters(pb_utils, {
+            "tokens": "Tokens embedded", "sequences": "Sequences embedded", "executes": "execute() calls",
+            "graph_replays": "Forwards replayed from a CUDA graph", "eager_runs": "Forwards run eagerly"})
         self.seen = dict(self.engine.stats)
 
     def _rows(self, req) -> list[np.ndarray]:
@@ -79,9 +77,6 @@ class TritonPythonModel:
         return responses
 
     def _count(self, n_seqs):
-        self.metrics["executes"].increment(1)
-        self.metrics["sequences"].increment(n_seqs)
-        for k, v in self.engine.stats.items():
-            if v != self.seen[k]:
-                self.metrics[k].increment(v - self.seen[k])
-        self.seen = dict(self.engine.stats)
+        stats = self.engine.stats
+        self.counters.add(executes=1, sequences=n_seqs, **{k: v - self.seen[k] for k, v in stats.items()})
+        self.seen = dict(stats)

@@ -8,6 +8,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from egemma.config import ModelConfig, triton_params
+from egemma.metrics import Counters
 from egemma.options import OptionError, RequestOptions
 from egemma.tokenizer import PromptError, TextTokenizer
 
@@ -22,11 +23,8 @@ class TritonPythonModel:
         self.cfg = ModelConfig.load(checkpoint)
         self.tok = TextTokenizer(self.cfg, params.get("tokenizer_json"))
         self.max_text_bytes = int(params.get("max_text_bytes", 1_000_000))
-        # A Metric must not outlive its MetricFamily: keep both.
-        self.families = [pb_utils.MetricFamily(name=n, description=d, kind=pb_utils.MetricFamily.COUNTER) for n, d in
-                         (("egemma_tokenizer_seconds_total", "Time spent tokenising, seconds"),
-                          ("egemma_texts_total", "Texts tokenised"))]
-        self.seconds, self.texts = (f.Metric(labels={}) for f in self.families)
+        self.counters = Counters(pb_utils, {"tokenizer_seconds": "Time spent tokenising, seconds",
+                                            "texts": "Texts tokenised"})
 
     def _texts(self, req) -> tuple[list[str], RequestOptions]:
         opts = RequestOptions.parse(req.parameters())
@@ -74,6 +72,5 @@ class TritonPythonModel:
                 out[j, :len(r)] = r
             responses[i] = pb_utils.InferenceResponse(output_tensors=[
                 pb_utils.Tensor("INPUT_IDS", out), pb_utils.Tensor("SEQ_LEN", lens[:, None])])
-        self.texts.increment(len(texts))
-        self.seconds.increment(time.perf_counter() - t0)
+        self.counters.add(texts=len(texts), tokenizer_seconds=time.perf_counter() - t0)
         return responses
