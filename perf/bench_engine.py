@@ -82,11 +82,10 @@ def main():
           f"peak GPU memory {peak:.2f} GiB, norms={eng.ops.name}")
     print(f"{'batch':<12}{'tokens':>8}{'ST bf16 ms':>12}{'eager ms':>10}{'graph ms':>10}{'Mtok/s':>9}{'x ST':>8}")
     for name, r in rows.items():
-        b = base.get(name)
-        r["baseline_ms"] = b
-        print(f"{name:<12}{r['tokens']:>8}{(f'{b:.2f}' if b else '-'):>12}{r['eager_ms']:>10.2f}"
-              f"{r['graph_ms']:>10.2f}{r['tokens'] / r['graph_ms'] / 1e3:>9.2f}"
-              f"{(f'{b / r['graph_ms']:.1f}' if b else '-'):>8}")
+        b = r["baseline_ms"] = base.get(name)
+        base_ms, ratio = (f"{b:.2f}", f"{b / r['graph_ms']:.1f}") if b else ("-", "-")
+        print(f"{name:<12}{r['tokens']:>8}{base_ms:>12}{r['eager_ms']:>10.2f}"
+              f"{r['graph_ms']:>10.2f}{r['tokens'] / r['graph_ms'] / 1e3:>9.2f}{ratio:>8}")
     if a.out:
         with open(a.out, "w") as f:
             json.dump({"rows": rows, "load_s": load_s, "peak_gib": peak, "norms": eng.ops.name,

@@ -2,7 +2,6 @@
 (transformers' Gemma3, bidirectional) on the same full-size random-weight checkpoint. GPU host only:
 EGEMMA_FULL_CHECKPOINT names a `make_checkpoint.py --full-size` directory (perf/gpu_run.sh makes one)."""
 import os
-from pathlib import Path
 
 import numpy as np
 import pytest
