@@ -1,16 +1,25 @@
 """Start the real `tritonserver` on this repository's model_repository for a given checkpoint.
 
   python -m egemma.server [--model DIR] [--host 127.0.0.1] [--http-port 8000] [--grpc-port 8001]
-                          [--metrics-port 8002]
+                          [--metrics-port 8002] [--admin-key KEY] [--exit-timeout-secs 30] [--no-watchdog]
+                          [--openai-port 8080] [--param KEY=VALUE ...]
 
 The model repository is rendered into a run directory with the checkpoint path written into the configs
 (the source tree is never modified), the server is started with this Python environment first on PATH (the
-Python backend stub follows PATH), readiness is awaited, and the endpoints are printed."""
+Python backend stub follows PATH), readiness is awaited, and the endpoints are printed.
+
+Safe defaults: loopback only unless --host; no model loading/unloading through the API (model control mode
+none); the model-repository, shared-memory, trace and logging APIs answer only requests with the HTTP header
+`admin-key: KEY` (gRPC: metadata `triton-grpc-protocol-admin-key: KEY`; KEY is printed at start); SIGTERM
+drains in-flight requests for up to --exit-timeout-secs; a watchdog (egemma.watchdog) restarts the server when
+a model stops answering, since Triton does not restart a crashed Python backend stub and keeps reporting
+ready."""
 from __future__ import annotations
 
 import argparse
 import os
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -18,6 +27,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -27,6 +37,10 @@ from egemma.tokenizer import resolved_tokenizer_json
 ROOT = Path(__file__).resolve().parent.parent
 REPO = ROOT / "model_repository"
 DEMO = ROOT / ".cache" / "demo-checkpoint"
+# Admin-only APIs: with them a client could read the repository layout, map shared memory, or redirect traces
+# and logs to files. Inference, health, metadata, config and statistics stay open.
+ADMIN_APIS = "model-repository,shared-memory,trace,logging"
+ADMIN_HEADER = "admin-key"
 
 
 def find_tritonserver() -> tuple[Path, Path]:
@@ -108,9 +122,14 @@ class TritonServer:
 
     def __init__(self, checkpoint: Path, host="127.0.0.1", http_port=8000, grpc_port=8001, metrics_port=8002,
                  run_dir: Path | None = None, params: dict[str, str] | None = None, log_file=None,
-                 extra_args=(), ready_timeout=600.0, repository: Path = REPO):
+                 extra_args=(), ready_timeout=600.0, repository: Path = REPO, admin_key: str | None = None,
+                 exit_timeout_secs: int = 30):
         self.host, self.http_port, self.grpc_port, self.metrics_port = host, http_port, grpc_port, metrics_port
+        # No key given: a random one, so the admin APIs are never open by accident.
+        self.admin_key = admin_key or secrets.token_urlsafe(16)
+        self.exit_timeout_secs = exit_timeout_secs
         self.run_dir = Path(run_dir or tempfile.mkdtemp(prefix="egemma-run-"))
+        self.run_dir.mkdir(parents=True, exist_ok=True)
         tokenizer_json = self.run_dir / "tokenizer.json"
         tokenizer_json.write_text(resolved_tokenizer_json(checkpoint))
         params = {"tokenizer_json": str(tokenizer_json), **(params or {})}
@@ -121,7 +140,9 @@ class TritonServer:
                     "--model-control-mode=none", "--exit-on-error=true", "--strict-readiness=true",
                     f"--http-address={host}", f"--http-port={http_port}", f"--grpc-address={host}",
                     f"--grpc-port={grpc_port}", f"--metrics-address={host}", f"--metrics-port={metrics_port}",
-                    *extra_args]
+                    f"--http-restricted-api={ADMIN_APIS}:{ADMIN_HEADER}={self.admin_key}",
+                    f"--grpc-restricted-protocol={ADMIN_APIS}:{ADMIN_HEADER}={self.admin_key}",
+                    f"--exit-timeout-secs={exit_timeout_secs}", *extra_args]
         env = dict(os.environ)
         # The stub runs the Python whose bin is first on PATH: this one, or $TRITON_STUB_PATH (a numpy<2 venv).
         stub_bin = os.environ.get("TRITON_STUB_PATH") or str(Path(sys.executable).parent)
@@ -162,7 +183,10 @@ class TritonServer:
                 raise TimeoutError(f"tritonserver not ready after {timeout:.0f}s")
             time.sleep(0.2)  # readiness polling; the condition itself is checked above
 
-    def stop(self, timeout: float = 60.0):
+    def stop(self, timeout: float | None = None):
+        """SIGTERM (Triton stops taking requests and finishes those in flight for up to exit_timeout_secs), then
+        SIGKILL for the whole process group if it is still running after timeout (default: that plus 30 s)."""
+        timeout = self.exit_timeout_secs + 30 if timeout is None else timeout
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -188,17 +212,48 @@ def main(argv=None):
     ap.add_argument("--run-dir", type=Path, default=ROOT / ".run", help="where the rendered repository goes")
     ap.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
                     help="model parameter, e.g. attention_backend=fa2 (repeatable)")
+    ap.add_argument("--admin-key", default=os.environ.get("EGEMMA_ADMIN_KEY"),
+                    help=f"value of the '{ADMIN_HEADER}' header that the {ADMIN_APIS} APIs require "
+                         "(default: $EGEMMA_ADMIN_KEY, else random, printed at start)")
+    ap.add_argument("--exit-timeout-secs", type=int, default=30,
+                    help="on SIGTERM, how long in-flight requests may take to finish (default 30)")
+    ap.add_argument("--openai-port", type=int, help="also serve an OpenAI-compatible POST /v1/embeddings here")
+    ap.add_argument("--watchdog", action=argparse.BooleanOptionalAction, default=True,
+                    help="restart the server when a canary inference fails or a model process dies (default on)")
     a = ap.parse_args(argv)
     ckpt = resolve_checkpoint(a.model)
     params = dict(p.split("=", 1) for p in a.param)
+    key = a.admin_key or secrets.token_urlsafe(16)
+
+    def start():
+        return TritonServer(ckpt, a.host, a.http_port, a.grpc_port, a.metrics_port, a.run_dir, params,
+                            admin_key=key, exit_timeout_secs=a.exit_timeout_secs)
+
+    # The handler only flags (set before starting, so an early SIGTERM is not lost); the main loop stops the
+    # server, which waits for in-flight requests, something a signal handler should not do.
+    done = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: done.set())
     print(f"starting tritonserver for {ckpt} ...", flush=True)
-    srv = TritonServer(ckpt, a.host, a.http_port, a.grpc_port, a.metrics_port, a.run_dir, params)
+    if a.watchdog:
+        from egemma.watchdog import Watchdog
+        supervisor = Watchdog(start).start()
+    else:
+        supervisor = start()
     h = "127.0.0.1" if a.host in ("0.0.0.0", "::") else a.host
+    gateway = None
+    if a.openai_port:
+        from egemma.openai_gateway import make_server
+        gateway = make_server(a.host, a.openai_port, f"{h}:{a.grpc_port}", ckpt, str(a.run_dir / "tokenizer.json"))
+        threading.Thread(target=gateway.serve_forever, daemon=True).start()
     print(f"""
 ready: model 'embeddinggemma' (checkpoint {ckpt})
   HTTP    http://{h}:{a.http_port}
   gRPC    {h}:{a.grpc_port}
   metrics http://{h}:{a.metrics_port}/metrics
+  admin   the {ADMIN_APIS} APIs need HTTP header '{ADMIN_HEADER}: {key}'
+          (gRPC metadata 'triton-grpc-protocol-{ADMIN_HEADER}: {key}')
+  watchdog {'on' if a.watchdog else 'off'}; SIGTERM drains in-flight requests for up to {a.exit_timeout_secs}s
+  openai  {f'http://{h}:{a.openai_port}/v1/embeddings' if gateway else 'off (--openai-port N)'}
 
   curl -s http://{h}:{a.http_port}/v2/models/embeddinggemma/infer -d \\
     '{{"inputs":[{{"name":"TEXT","shape":[1,1],"datatype":"BYTES","data":["hello world"]}}]}}'
@@ -207,11 +262,18 @@ ready: model 'embeddinggemma' (checkpoint {ckpt})
 i = g.InferInput('TEXT', [1, 1], 'BYTES'); i.set_data_from_numpy(np.array([[b'hello world']], dtype=object)); \\
 print(c.infer('embeddinggemma', [i]).as_numpy('EMBEDDING'))"
 """, flush=True)
-    signal.signal(signal.SIGTERM, lambda *_: srv.stop())
+    rc = 0
     try:
-        sys.exit(srv.proc.wait())
+        while not done.wait(0.5):
+            if not a.watchdog and supervisor.proc.poll() is not None:  # unsupervised, a dead server ends it all
+                rc = supervisor.proc.returncode
+                break
     except KeyboardInterrupt:
-        srv.stop()
+        pass
+    if gateway:
+        gateway.shutdown()
+    supervisor.stop()
+    sys.exit(rc)
 
 
 if __name__ == "__main__":

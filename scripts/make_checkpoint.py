@@ -8,7 +8,7 @@ config.json, model.safetensors, tokenizer files, 1_Pooling/, 2_Dense/, 3_Dense/,
   make_checkpoint.py DEST --bare          no sentence-transformers files (a bare Gemma3 checkpoint)
 
 The tokenizer is a BPE trained here with `tokenizers` on generated text, with Gemma's special ids
-(pad 0, eos 1, bos 2, unk 3). Deterministic for a given --seed."""
+(pad 0, eos 1, bos 2, unk 3, mask 4). Deterministic for a given --seed."""
 import argparse
 import json
 import random
@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
-SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>"]
+SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>"]  # Gemma's ids 0-4
 PROMPTS = {  # as in google/embeddinggemma-300m
     "query": "task: search result | query: ", "document": "title: none | text: ",
     "BitextMining": "task: search result | query: ", "Clustering": "task: clustering | query: ",
@@ -54,7 +54,7 @@ def train_tokenizer(vocab_size: int, add_eos: bool, rng: random.Random) -> Token
     tok.train_from_iterator(corpus(rng), trainer=trainer)
     single = "<bos> $A <eos>" if add_eos else "<bos> $A"
     tok.post_processor = processors.TemplateProcessing(single=single, special_tokens=[("<bos>", 2), ("<eos>", 1)])
-    assert [tok.token_to_id(s) for s in SPECIALS] == [0, 1, 2, 3]
+    assert [tok.token_to_id(s) for s in SPECIALS] == list(range(len(SPECIALS)))
     return tok
 
 

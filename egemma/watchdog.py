@@ -1,0 +1,178 @@
+"""Keep a tritonserver serving: restart it when a model stops answering.
+
+Triton 2.51 does not restart a crashed Python backend stub, and /v2/health/ready keeps answering 200 after one
+died, so readiness proves nothing. The watchdog instead checks, every `interval` seconds, that the server process
+and all the stub processes it started are alive, and sends a canary inference (one short text through the
+ensemble, so every model is exercised). A dead process restarts the server at once; a failing canary does after
+`failures` failures in a row. A canary that times out while the server's processes keep using CPU is not a
+failure: the server is busy (a 64 x 2048-token batch takes ~25 s on two CPU cores), not hung. Restarting kills
+the server's process group (a graceful stop would wait out --exit-timeout-secs on the dead model) and starts it
+again on the same ports; requests in flight then fail, later ones succeed."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from typing import Callable
+
+STUB = "triton_python_backend_stub"
+TIMED_OUT = "canary timed out"
+
+
+def children(pid: int) -> dict[int, list[str]]:
+    """{child pid: argv} for the live children of pid, read from /proc."""
+    out = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                stat = f.read()
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                argv = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+        except OSError:  # exited while we looked
+            continue
+        fields = stat.rsplit(")", 1)[1].split()  # after "(comm)", which may hold spaces
+        if int(fields[1]) == pid and fields[0] != "Z" and argv:
+            out[int(d)] = argv
+    return out
+
+
+def stub_pids(server_pid: int) -> dict[int, str]:
+    """{pid: model.py path} of the Python backend stubs of a tritonserver process."""
+    return {p: argv[1] if len(argv) > 1 else "" for p, argv in children(server_pid).items()
+            if os.path.basename(argv[0]) == STUB}
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU time used so far by pid and its children (the stubs)."""
+    total = 0
+    for p in (pid, *children(pid)):
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14, 15 of proc(5))
+        except OSError:
+            pass
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def canary(http_url: str, model: str = "embeddinggemma", timeout: float = 5.0) -> str | None:
+    """None if one short text embeds to a finite, non-empty vector within timeout, else why not."""
+    body = json.dumps({"inputs": [{"name": "TEXT", "shape": [1, 1], "datatype": "BYTES",
+                                   "data": ["watchdog canary"]}]}).encode()
+    req = urllib.request.Request(f"http://{http_url}/v2/models/{model}/infer", data=body,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            out = {o["name"]: o for o in json.load(r)["outputs"]}
+        data = out["EMBEDDING"]["data"]
+        if not data or not all(math.isfinite(v) for v in data):
+            return "canary embedding is empty or not finite"
+        return None
+    except TimeoutError:
+        return TIMED_OUT
+    except urllib.error.HTTPError as e:  # the server's own error message says most
+        return f"canary failed: {e}: {e.read().decode(errors='replace')[:300]}"
+    except urllib.error.URLError as e:
+        return TIMED_OUT if isinstance(e.reason, TimeoutError) else f"canary failed: {e}"
+    except Exception as e:  # refused, reset, malformed answer: all mean "not serving"
+        return f"canary failed: {type(e).__name__}: {e}"
+
+
+class Watchdog:
+    """Runs `start()` (which returns a ready egemma.server.TritonServer) and keeps it serving.
+    `events` records (time.monotonic() when noticed, reason, seconds until serving again or None if the restart
+    failed) for every restart; `busy` counts canary timeouts excused because the server was computing."""
+
+    def __init__(self, start: Callable[[], object], interval: float = 2.0, timeout: float = 5.0, failures: int = 2,
+                 log=lambda msg: print(f"watchdog: {msg}", file=sys.stderr, flush=True)):
+        self._start, self.interval, self.timeout, self.failures, self.log = start, interval, timeout, failures, log
+        self.server = None
+        self.events: list[tuple[float, str, float | None]] = []
+        self.busy = 0
+        self._stop = threading.Event()
+        self._lock = threading.Lock()  # a restart and stop() never interleave
+        self._thread = threading.Thread(target=self._run, name="egemma-watchdog", daemon=True)
+
+    def start(self) -> "Watchdog":
+        self.server = self._start()
+        self.n_stubs = len(stub_pids(self.server.proc.pid))
+        self._thread.start()
+        return self
+
+    def _url(self) -> str:
+        host = "127.0.0.1" if self.server.host in ("0.0.0.0", "::", "") else self.server.host
+        return f"{host}:{self.server.http_port}"
+
+    def check(self, failed_before: int) -> tuple[str | None, bool]:
+        """(why the server is not serving or None, whether that alone warrants a restart)."""
+        if self.server is None:
+            return "no server (last start failed)", True
+        if self.server.proc.poll() is not None:
+            return f"tritonserver exited with {self.server.proc.returncode}", True
+        alive = len(stub_pids(self.server.proc.pid))
+        if alive < self.n_stubs:
+            return f"{self.n_stubs - alive} of {self.n_stubs} Python backend stubs died", True
+        cpu = cpu_seconds(self.server.proc.pid)
+        why = canary(self._url(), timeout=self.timeout)
+        if why == TIMED_OUT and cpu_seconds(self.server.proc.pid) - cpu >= 0.25 * self.timeout:
+            self.busy += 1
+            return None, False  # busy, not hung
+        return why, why is not None and failed_before + 1 >= self.failures
+
+    def _run(self):
+        failed = 0
+        while not self._stop.wait(self.interval):
+            why, restart = self.check(failed)
+            failed = failed + 1 if why else 0
+            if restart and not self._stop.is_set():
+                self.restart(why)
+                failed = 0
+
+    def restart(self, why: str):
+        with self._lock:
+            if self._stop.is_set():
+                return
+            noticed = time.monotonic()
+            self.log(f"restarting tritonserver: {why}")
+            self._kill()
+            try:
+                self.server = self._start()
+                self.n_stubs = len(stub_pids(self.server.proc.pid))
+                took = time.monotonic() - noticed
+                self.log(f"tritonserver serving again after {took:.1f}s")
+            except Exception as e:  # e.g. a port still taken: try again on the next check
+                self.server, took = None, None
+                self.log(f"restart failed: {type(e).__name__}: {e}")
+            self.events.append((noticed, why, took))
+
+    def _kill(self):
+        s = self.server
+        if s is not None and s.proc.poll() is None:
+            try:
+                os.killpg(s.proc.pid, signal.SIGKILL)  # the server and its stubs (one process group)
+            except ProcessLookupError:
+                pass
+            s.proc.wait()
+
+    def stop(self, timeout: float | None = None):
+        """Stop watching, then stop the server gracefully (SIGTERM drains in-flight requests; TritonServer.stop)."""
+        self._stop.set()
+        with self._lock:
+            if self.server is not None:
+                self.server.stop(timeout)
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(self.timeout + 5)
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
