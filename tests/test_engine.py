@@ -103,3 +103,13 @@ def test_engine_rejects_bad_ids(checkpoints):
     assert "non-empty" in eng.check(np.array([], dtype=np.int32))
     assert "positions" in eng.check(np.ones(4, dtype=np.int32), max_len=2049)
     assert "positions" in eng.check(np.ones(2049, dtype=np.int32))
+
+
+def test_engine_config_from_model_parameters(checkpoints):
+    ec = EngineConfig.from_params(str(checkpoints["eos"]), {"cuda_graphs": "false", "max_tokens": "4096",
+                                                            "attention_backend": "native"})
+    assert (ec.cuda_graphs, ec.max_tokens, ec.attention_backend) == (False, 4096, "native")
+    with pytest.raises(ValueError, match="unknown encoder parameters.*colour"):
+        EngineConfig.from_params(str(checkpoints["eos"]), {"colour": "red"})
+    with pytest.raises(ValueError, match="max_tokens"):
+        Engine(EngineConfig(str(checkpoints["eos"]), max_tokens=1024))  # below max_seq_length 2048

@@ -121,3 +121,12 @@ def test_invalid_utf8_is_a_clean_error(server):
     with pytest.raises(Exception, match="UTF-8"):
         c.infer("embeddinggemma", [i])
     assert c.is_server_ready()
+
+
+def test_checkpoint_resolution_order(checkpoints, monkeypatch, tmp_path):
+    from egemma.server import resolve_checkpoint
+    monkeypatch.setenv("EMBEDDINGGEMMA_PATH", str(checkpoints["noeos"]))
+    assert resolve_checkpoint(str(checkpoints["eos"])) == checkpoints["eos"].resolve()  # --model wins
+    assert resolve_checkpoint(None) == checkpoints["noeos"].resolve()
+    with pytest.raises(SystemExit, match="does not exist"):
+        resolve_checkpoint(str(tmp_path / "missing"))

@@ -50,3 +50,4 @@ def test_resolved_tokenizer_file_gives_the_same_ids(checkpoints, variant, tmp_pa
     a, b = TextTokenizer(cfg, str(f)), TextTokenizer(cfg)
     assert (a.adds_bos, a.adds_eos) == (b.adds_bos, b.adds_eos)
     assert [s.tolist() for s in a.encode(texts)] == [s.tolist() for s in b.encode(texts)]
+
