@@ -58,11 +58,15 @@ def allowed_dimensions(spec: str, out_dim: int) -> tuple[int, ...]:
     return dims
 
 
-def shape_output(emb: np.ndarray, opts: RequestOptions, allowed: tuple[int, ...]) -> tuple[str, np.ndarray]:
-    """(output name, tensor) for one request's fp32 embeddings [n, D]: truncate + renormalise, then quantize."""
+def check_dimensions(opts: RequestOptions, allowed: tuple[int, ...]):
+    if opts.dimensions is not None and opts.dimensions not in allowed:
+        raise OptionError(f"dimensions {opts.dimensions} is not supported; choose from {list(allowed)}")
+
+
+def shape_output(emb: np.ndarray, opts: RequestOptions) -> tuple[str, np.ndarray]:
+    """(output name, tensor) for one request's fp32 embeddings [n, D] (options already checked):
+    truncate + renormalise, then quantize."""
     if opts.dimensions is not None and opts.dimensions != emb.shape[1]:
-        if opts.dimensions not in allowed:
-            raise OptionError(f"dimensions {opts.dimensions} is not supported; choose from {list(allowed)}")
         emb = emb[:, :opts.dimensions]
         emb = emb / np.maximum(np.linalg.norm(emb, axis=1, keepdims=True), 1e-12)
     if opts.encoding == "float":

@@ -115,7 +115,6 @@ class Engine:
                 out[a:b] = self.forward_eager(packed).cpu().numpy()
         return out
 
-    def forward_eager(self, b: Packed, attn=None) -> torch.Tensor:
-        attn = attn or (attention_fn(self.attn_candidates[0]),) * 2
-        x = self.model.forward(b, self.ops, attn)
+    def forward_eager(self, b: Packed) -> torch.Tensor:
+        x = self.model.forward(b, self.ops, (attention_fn(self.attn_candidates[0]),) * 2)
         return self.model.pool(x, b.seq_idx, b.lengths)

@@ -19,31 +19,11 @@ from hypothesis import HealthCheck, event, given, settings, strategies as st
 from tritonclient.utils import InferenceServerException
 
 from conftest import ROOT, make_texts, reference
+from test_server import fire_concurrently, text_input
 
 TOL = 1e-5
 GOOD = make_texts(12, 80, seed=11)
 INVALID = "StatusCode.INVALID_ARGUMENT"
-
-
-def text_input(texts, mod=grpcclient):
-    """TEXT [n, 1] from str (UTF-8 encoded) or raw bytes (sent as they are)."""
-    i = mod.InferInput("TEXT", [len(texts), 1], "BYTES")
-    i.set_data_from_numpy(np.array([[t if isinstance(t, bytes) else t.encode()] for t in texts],
-                                   dtype=object).reshape(len(texts), 1))
-    return i
-
-
-def fire_concurrently(c, jobs, timeout=120):
-    """jobs: [(model, inputs)]; all sent at once with async_infer; returns [(result, error)] in job order."""
-    done = queue.Queue()
-    for k, (model, inputs) in enumerate(jobs):
-        c.async_infer(model, inputs, callback=lambda result, error, k=k: done.put((k, result, error)),
-                      client_timeout=timeout)
-    out = [None] * len(jobs)
-    for _ in jobs:
-        k, r, e = done.get(timeout=timeout + 10)
-        out[k] = (r, e)
-    return out
 
 
 def assert_close(got, ref):

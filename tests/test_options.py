@@ -16,7 +16,7 @@ TEXTS = make_texts(10, 200, seed=7)
 
 def infer(server, texts, output="EMBEDDING", **params):
     c = grpcclient.InferenceServerClient(server.grpc_url)
-    return c.infer("embeddinggemma", [text_input(grpcclient, texts)], parameters=params,
+    return c.infer("embeddinggemma", [text_input(texts)], parameters=params,
                    outputs=[grpcclient.InferRequestedOutput(output)]).as_numpy(output)
 
 
@@ -28,7 +28,7 @@ def test_prompt_name(server, checkpoints, prompt_name):
 
 def test_literal_prompt_over_http(server, checkpoints):
     c = httpclient.InferenceServerClient(server.http_url)
-    got = c.infer("embeddinggemma", [text_input(httpclient, TEXTS)],
+    got = c.infer("embeddinggemma", [text_input(TEXTS, httpclient)],
                   parameters={"prompt": "task: custom | query: "}).as_numpy("EMBEDDING")
     assert_matches(got, reference(checkpoints["eos"], TEXTS, prompt="task: custom | query: "))
 
@@ -62,10 +62,10 @@ def test_error_paths_are_per_request_inside_a_mixed_concurrent_batch(server, che
     bad = [({"prompt_name": "nope"}, "Retrieval-query"), ({"dimensions": 20}, "choose from"),
            ({"truncate": False}, "over the 2048-token limit"), ({"encoding": "int4"}, "not one of"),
            ({"colour": "blue"}, "unknown parameters"), ({"dimensions": "x"}, "integer")]
-    jobs = [("embeddinggemma", [text_input(grpcclient, [t])], {}, None) for t in good]
+    jobs = [("embeddinggemma", [text_input([t])], {}, None) for t in good]
     for params, needle in bad:  # interleaved with the good ones
         text = "kalo the " * 3000 if params.get("truncate") is False else "fine text"
-        jobs.insert(len(jobs) // 2, ("embeddinggemma", [text_input(grpcclient, [text])], params, needle))
+        jobs.insert(len(jobs) // 2, ("embeddinggemma", [text_input([text])], params, needle))
     results = fire_concurrently(c, [(m, i) for m, i, _, _ in jobs], [p for _, _, p, _ in jobs])
     ref = iter(reference(checkpoints["eos"], good))
     for (r, e), (_, _, _, needle) in zip(results, jobs):

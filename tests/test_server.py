@@ -14,9 +14,11 @@ from conftest import cosine, make_texts, reference
 TOL = 1e-5
 
 
-def text_input(mod, texts):
+def text_input(texts, mod=grpcclient):
+    """TEXT [n, 1] from str (UTF-8 encoded) or raw bytes (sent as they are)."""
     i = mod.InferInput("TEXT", [len(texts), 1], "BYTES")
-    i.set_data_from_numpy(np.array([[t.encode()] for t in texts], dtype=object))
+    i.set_data_from_numpy(np.array([[t if isinstance(t, bytes) else t.encode()] for t in texts],
+                                   dtype=object).reshape(len(texts), 1))
     return i
 
 
@@ -28,34 +30,34 @@ def assert_matches(got, ref):
 def test_http_batch_in_one_request(server, checkpoints):
     texts = make_texts(12, 200, seed=1) + ["", "<eos>"]
     c = httpclient.InferenceServerClient(server.http_url)
-    got = c.infer("embeddinggemma", [text_input(httpclient, texts)]).as_numpy("EMBEDDING")
+    got = c.infer("embeddinggemma", [text_input(texts, httpclient)]).as_numpy("EMBEDDING")
     assert_matches(got, reference(checkpoints["eos"], texts))
 
 
 def test_grpc_batch_in_one_request(server, checkpoints):
     texts = make_texts(20, 500, seed=2)
     c = grpcclient.InferenceServerClient(server.grpc_url)
-    got = c.infer("embeddinggemma", [text_input(grpcclient, texts)]).as_numpy("EMBEDDING")
+    got = c.infer("embeddinggemma", [text_input(texts)]).as_numpy("EMBEDDING")
     assert_matches(got, reference(checkpoints["eos"], texts))
 
 
 def test_over_long_text_is_truncated_like_sentence_transformers(server, checkpoints):
     texts = ["kalo the " * 3000, "short"]
     c = grpcclient.InferenceServerClient(server.grpc_url)
-    got = c.infer("embeddinggemma", [text_input(grpcclient, texts)]).as_numpy("EMBEDDING")
+    got = c.infer("embeddinggemma", [text_input(texts)]).as_numpy("EMBEDDING")
     assert_matches(got, reference(checkpoints["eos"], texts))
 
 
-def fire_concurrently(c, jobs, parameters=None):
+def fire_concurrently(c, jobs, parameters=None, timeout=120):
     """jobs: [(model, inputs)]; all sent at once with async_infer (with per-job request parameters if given);
     returns [(result, error)] in job order."""
     done = queue.Queue()
     for k, (model, inputs) in enumerate(jobs):
         c.async_infer(model, inputs, callback=lambda result, error, k=k: done.put((k, result, error)),
-                      parameters=parameters[k] if parameters else None)
+                      parameters=parameters[k] if parameters else None, client_timeout=timeout)
     out = [None] * len(jobs)
     for _ in jobs:
-        k, r, e = done.get(timeout=120)
+        k, r, e = done.get(timeout=timeout + 10)
         out[k] = (r, e)
     return out
 
@@ -65,7 +67,7 @@ def test_concurrent_single_text_requests_are_batched_and_each_correct(server, ch
     ref = reference(checkpoints["eos"], texts)
     c = grpcclient.InferenceServerClient(server.grpc_url)
     before = _stats(c)
-    res = fire_concurrently(c, [("embeddinggemma", [text_input(grpcclient, [t])]) for t in texts])
+    res = fire_concurrently(c, [("embeddinggemma", [text_input([t])]) for t in texts])
     for (r, e), want in zip(res, ref):
         assert e is None, e
         assert_matches(r.as_numpy("EMBEDDING"), want[None])

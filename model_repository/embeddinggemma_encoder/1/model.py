@@ -9,7 +9,7 @@ import triton_python_backend_utils as pb_utils
 
 from egemma.config import triton_params
 from egemma.metrics import Counters
-from egemma.options import OptionError, RequestOptions, allowed_dimensions, shape_output
+from egemma.options import OptionError, RequestOptions, allowed_dimensions, check_dimensions, shape_output
 from egemma.runner import Engine, EngineConfig
 
 
@@ -51,8 +51,7 @@ class TritonPythonModel:
         for i, req in enumerate(requests):
             try:
                 opts = RequestOptions.parse(req.parameters())
-                if opts.dimensions is not None and opts.dimensions not in self.dims:
-                    raise OptionError(f"dimensions {opts.dimensions} is not supported; choose from {list(self.dims)}")
+                check_dimensions(opts, self.dims)
                 rows = self._rows(req)
             except OptionError as e:
                 responses[i] = _invalid(str(e))
@@ -71,7 +70,7 @@ class TritonPythonModel:
                 responses[i] = pb_utils.InferenceResponse(error=pb_utils.TritonError(f"engine failure: {e}"))
             return responses
         for i, a, b, opts in spans:
-            name, out = shape_output(emb[a:b], opts, self.dims)
+            name, out = shape_output(emb[a:b], opts)
             responses[i] = pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(name, out)])
         self._count(len(seqs))
         return responses
