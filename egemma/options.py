@@ -25,7 +25,9 @@ class RequestOptions:
 
     @classmethod
     def parse(cls, parameters_json: str | None) -> "RequestOptions":
-        p = json.loads(parameters_json or "{}")
+        if not parameters_json or parameters_json == "{}":  # most requests: skip the JSON round trip
+            return DEFAULTS
+        p = json.loads(parameters_json)
         unknown = sorted(set(p) - set(cls.__dataclass_fields__))
         if unknown:
             raise OptionError(f"unknown parameters {unknown}; known: {sorted(cls.__dataclass_fields__)}")
@@ -47,6 +49,9 @@ class RequestOptions:
         if p.get("encoding", "float") not in OUTPUTS:
             raise OptionError(f"encoding {p['encoding']!r} is not one of {sorted(OUTPUTS)}")
         return cls(**p)
+
+
+DEFAULTS = RequestOptions()
 
 
 def allowed_dimensions(spec: str, out_dim: int) -> tuple[int, ...]:

@@ -2,7 +2,7 @@
 
   python -m egemma.server [--model DIR] [--host 127.0.0.1] [--http-port 8000] [--grpc-port 8001]
                           [--metrics-port 8002] [--admin-key KEY] [--exit-timeout-secs 30] [--no-watchdog]
-                          [--openai-port 8080] [--param KEY=VALUE ...]
+                          [--openai-port 8080] [--param KEY=VALUE ...] [--instances MODEL=N ...]
 
 The model repository is rendered into a run directory with the checkpoint path written into the configs
 (the source tree is never modified), the server is started with this Python environment first on PATH (the
@@ -90,13 +90,24 @@ def resolve_checkpoint(model: str | None) -> Path:
 
 
 def render_repository(dest: Path, checkpoint: Path, params: dict[str, str] | None = None, src: Path = REPO,
-                      optional=()) -> Path:
+                      optional=(), instances: dict[str, int] | None = None) -> Path:
     """Copy a model repository to dest with the checkpoint, and any other parameters, written into every model
-    config that declares them. A parameter no config declares is an error, unless named in optional."""
+    config that declares them, and with `instances` ({model: count}) replacing those models' instance counts.
+    A parameter no config declares, or a model not in the repository, is an error (parameters in optional
+    excepted)."""
     if dest.exists():
         shutil.rmtree(dest)
     shutil.copytree(src, dest, ignore=shutil.ignore_patterns("__pycache__"))
     params = {"checkpoint": str(checkpoint), **(params or {})}
+    for model, count in (instances or {}).items():
+        cfg = dest / model / "config.pbtxt"
+        if not cfg.exists() or count < 1:
+            raise ValueError(f"cannot give model {model!r} {count} instances (models: "
+                             f"{sorted(c.parent.name for c in dest.glob('*/config.pbtxt'))})")
+        text, n = re.subn(r"(instance_group \[ \{ count: )\d+", rf"\g<1>{count}", cfg.read_text())
+        if n != 1:
+            raise ValueError(f"{cfg}: no single 'instance_group [ {{ count: N' to set")
+        cfg.write_text(text)
     used = set()
     for cfg in sorted(dest.glob("*/config.pbtxt")):
         text = cfg.read_text()
@@ -123,7 +134,9 @@ class TritonServer:
     def __init__(self, checkpoint: Path, host="127.0.0.1", http_port=8000, grpc_port=8001, metrics_port=8002,
                  run_dir: Path | None = None, params: dict[str, str] | None = None, log_file=None,
                  extra_args=(), ready_timeout=600.0, repository: Path = REPO, admin_key: str | None = None,
-                 exit_timeout_secs: int = 30):
+                 exit_timeout_secs: int = 30, instances: dict[str, int] | None = None, stub_bin: str | None = None):
+        """stub_bin: the bin directory of the Python environment the stubs run (default $TRITON_STUB_PATH, else
+        this interpreter's)."""
         self.host, self.http_port, self.grpc_port, self.metrics_port = host, http_port, grpc_port, metrics_port
         # No key given: a random one, so the admin APIs are never open by accident.
         self.admin_key = admin_key or secrets.token_urlsafe(16)
@@ -134,7 +147,7 @@ class TritonServer:
         tokenizer_json.write_text(resolved_tokenizer_json(checkpoint))
         params = {"tokenizer_json": str(tokenizer_json), **(params or {})}
         self.repo = render_repository(self.run_dir / "model_repository", checkpoint, params, repository,
-                                      optional=("tokenizer_json",))
+                                      optional=("tokenizer_json",), instances=instances)
         binary, backends = find_tritonserver()
         self.cmd = [str(binary), f"--model-repository={self.repo}", f"--backend-directory={backends}",
                     "--model-control-mode=none", "--exit-on-error=true", "--strict-readiness=true",
@@ -145,7 +158,7 @@ class TritonServer:
                     f"--exit-timeout-secs={exit_timeout_secs}", *extra_args]
         env = dict(os.environ)
         # The stub runs the Python whose bin is first on PATH: this one, or $TRITON_STUB_PATH (a numpy<2 venv).
-        stub_bin = os.environ.get("TRITON_STUB_PATH") or str(Path(sys.executable).parent)
+        stub_bin = stub_bin or os.environ.get("TRITON_STUB_PATH") or str(Path(sys.executable).parent)
         env["PATH"] = f"{stub_bin}{os.pathsep}{env.get('PATH', '')}"
         # The stub links libpython dynamically; let it find this interpreter's own (its lib-dynload modules
         # need the matching patch release, not whatever the system ships).
@@ -212,6 +225,9 @@ def main(argv=None):
     ap.add_argument("--run-dir", type=Path, default=ROOT / ".run", help="where the rendered repository goes")
     ap.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
                     help="model parameter, e.g. attention_backend=fa2 (repeatable)")
+    ap.add_argument("--instances", action="append", default=[], metavar="MODEL=N",
+                    help="instance count of a model, e.g. embeddinggemma_encoder=2 (repeatable; default: "
+                         "model_repository's configs)")
     ap.add_argument("--admin-key", default=os.environ.get("EGEMMA_ADMIN_KEY"),
                     help=f"value of the '{ADMIN_HEADER}' header that the {ADMIN_APIS} APIs require "
                          "(default: $EGEMMA_ADMIN_KEY, else random, printed at start)")
@@ -223,11 +239,12 @@ def main(argv=None):
     a = ap.parse_args(argv)
     ckpt = resolve_checkpoint(a.model)
     params = dict(p.split("=", 1) for p in a.param)
+    instances = {m: int(n) for m, n in (p.split("=", 1) for p in a.instances)}
     key = a.admin_key or secrets.token_urlsafe(16)
 
     def start():
         return TritonServer(ckpt, a.host, a.http_port, a.grpc_port, a.metrics_port, a.run_dir, params,
-                            admin_key=key, exit_timeout_secs=a.exit_timeout_secs)
+                            admin_key=key, exit_timeout_secs=a.exit_timeout_secs, instances=instances)
 
     # The handler only flags (set before starting, so an early SIGTERM is not lost); the main loop stops the
     # server, which waits for in-flight requests, something a signal handler should not do.

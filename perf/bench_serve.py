@@ -1,13 +1,15 @@
 """Serving benchmark through the real Triton, on the GPU host, side by side with a baseline repository that
 serves sentence-transformers bf16 behind the same Triton (perf/baseline_repository).
 
-  python perf/bench_serve.py CHECKPOINT --out DIR [--skip-baseline]
+  python perf/bench_serve.py CHECKPOINT --out DIR [--skip-baseline] [--sweep MODEL=N,MODEL=N ...]
 
 Workloads (gRPC, text built from real English prose, token counts measured with the checkpoint's tokenizer):
   w1  one request of 8 texts x ~2048 tokens, sequential       (python client, p50/p99)
   w2  one ~16-token query, concurrency 1                       (perf_analyzer)
   w3  single ~20-token texts, concurrency 1 .. 256             (perf_analyzer; throughput, latency)
   w4  80% queries of 10-40 tokens, 20% passages of 200-600, Poisson arrivals at 70% of the max rate
+Each --sweep variant (instance counts) runs w2 and w3 at c=128/256 on its own server after the full suite
+on the repository's defaults. Per-model split (Triton's statistics) for w1 and w3 at c=128.
 Writes CSV per perf_analyzer run, results.json, throughput/latency PNG, and prints a summary table."""
 import argparse
 import csv
@@ -26,9 +28,10 @@ import tritonclient.grpc as grpcclient
 
 from egemma.config import ModelConfig
 from egemma.server import ROOT, TritonServer, free_port
-from egemma.tokenizer import TextTokenizer
+from egemma.tokenizer import TextTokenizer, resolved_tokenizer_json
 
 CONCURRENCY = [1, 16, 64, 128, 256]
+MODELS = ("embeddinggemma_tokenizer", "embeddinggemma_encoder")
 
 
 def prose() -> list[str]:
@@ -52,12 +55,18 @@ def make_text(tok: TextTokenizer, words: list[str], n_tokens: int, rng: random.R
     return " ".join(words[start:start + lo])
 
 
-def perf_analyzer(url, model, data, out_csv, extra, log):
+def perf_analyzer(url, model, data, out_csv, extra, log, window_ms=2000, stability=25, trials=6):
     cmd = ["perf_analyzer", "-m", model, "-i", "grpc", "-u", url, "--input-data", str(data), "-f", str(out_csv),
-           "--measurement-interval", "2000", "--stability-percentage", "25", "--max-trials", "6", *extra]
+           "--measurement-interval", str(window_ms), "--stability-percentage", str(stability),
+           "--max-trials", str(trials), *extra]
+    Path(out_csv).unlink(missing_ok=True)
     r = subprocess.run(cmd, capture_output=True, text=True)
     log.write(f"$ {' '.join(cmd)}\n{r.stdout}\n{r.stderr}\n")
     log.flush()
+    if (r.returncode != 0 or not Path(out_csv).exists()) and stability < 100:
+        if "stable" in r.stdout + r.stderr:  # no 3 windows within `stability` %: report the last ones, marked
+            res = perf_analyzer(url, model, data, out_csv, extra, log, window_ms, 100, 3)
+            return res and {**res, "unstable": True}
     if r.returncode != 0 or not Path(out_csv).exists():
         return None
     row = next(csv.DictReader(open(out_csv)))
@@ -90,21 +99,39 @@ def stats_delta(before, after) -> dict:
     return out
 
 
-def w1(url, model, texts, reps=40):
+def pa_data(texts: list[str], utf8: bool) -> dict:
+    """perf_analyzer --input-data JSON, one text per entry (with -b N, a request takes N consecutive entries;
+    UINT8 rows are zero-padded to one length so that they batch)."""
+    if utf8:
+        n = max(len(t.encode()) for t in texts)
+        return {"data": [{"TEXT_UTF8": {"content": list(t.encode().ljust(n, b"\0")), "shape": [n]}} for t in texts]}
+    return {"data": [{"TEXT": [t]} for t in texts]}
+
+
+def w1(url, model, data, out: Path, name, log):
+    """One request of the 8 long texts at a time (perf_analyzer -b 8), with Triton's per-model split."""
     c = grpcclient.InferenceServerClient(url)
-    i = grpcclient.InferInput("TEXT", [len(texts), 1], "BYTES")
-    i.set_data_from_numpy(np.array([[t.encode()] for t in texts], dtype=object))
-    for _ in range(5):
-        c.infer(model, [i])
-    ts = []
     before = model_stats(c)
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        c.infer(model, [i])
-        ts.append((time.perf_counter() - t0) * 1e3)
-    ts.sort()
-    return {"p50_ms": statistics.median(ts), "p99_ms": ts[int(0.99 * (len(ts) - 1))],
-            "per_model_ms_per_execution": stats_delta(before, model_stats(c))}
+    res = perf_analyzer(url, model, data, out / f"{name}_w1.csv", ["-b", "8", "--concurrency-range", "1"], log,
+                        window_ms=4000)
+    return res and {**res, "per_model_ms_per_execution": stats_delta(before, model_stats(c))}
+
+
+def tokenizer_times(tok: TextTokenizer, checkpoint: Path, texts: dict) -> dict:
+    """The tokenizer model's batched call (word splits) against the checkpoint's tokenizer as transformers
+    builds it, on this host's cores: 8 x 2048 tokens, 256 queries, one query."""
+    from tokenizers import Tokenizer
+    plain = Tokenizer.from_str(resolved_tokenizer_json(checkpoint))
+    out = {}
+    for label, batch in (("8x2048", texts["w1"]), ("256x20", texts["w3"]), ("1x16", texts["w2"][:1])):
+        for name, f in (("split", tok.encode), ("plain", plain.encode_batch_fast)):
+            ts = []
+            for _ in range(22):
+                t0 = time.perf_counter()
+                f(batch)
+                ts.append((time.perf_counter() - t0) * 1e3)
+            out[f"{label} {name}"] = round(statistics.median(ts[2:]), 3)
+    return out
 
 
 def gpu_util(seconds_log):
@@ -115,19 +142,26 @@ def gpu_util(seconds_log):
         return None
 
 
-def run_suite(name, url, model, data, out: Path, log, full: bool):
-    res = {"w1": w1(url, model, data["w1"])}
+def run_suite(name, url, model, data, out: Path, log, suite: str):
+    """suite: full (all workloads), short (w1, w2, w3 at c=1/128), sweep (w2, w3 at c=128/256)."""
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", name)  # for file names
+    res = {"w1": w1(url, model, data["w1"], out, name, log)} if suite != "sweep" else {}
     res["w2"] = perf_analyzer(url, model, data["w2"], out / f"{name}_w2.csv", ["--concurrency-range", "1"], log)
     res["w3"] = {}
-    for c in (CONCURRENCY if full else [1, 128]):
+    stats = grpcclient.InferenceServerClient(url)
+    for c in {"full": CONCURRENCY, "short": [1, 128], "sweep": [128, 256]}[suite]:
         mon = gpu_util(out / f"{name}_gpu_c{c}.txt") if c == 128 else None
+        before = model_stats(stats)
         res["w3"][c] = perf_analyzer(url, model, data["w3"], out / f"{name}_w3_c{c}.csv",
                                      ["--concurrency-range", str(c)], log)
         if mon:
             mon.terminate()
+            mon.wait()
             vals = [float(x) for x in open(out / f"{name}_gpu_c{c}.txt").read().split() if x.strip()]
             res["gpu_util_c128"] = statistics.mean(vals) if vals else None
-    if full:
+            # perf_analyzer's warm-up and trials together; the split per execution is what matters
+            res["w3_c128_per_model"] = stats_delta(before, model_stats(stats))
+    if suite == "full":
         peak = perf_analyzer(url, model, data["w4"], out / f"{name}_w4_max.csv", ["--concurrency-range", "128"], log)
         if peak:
             rate = int(0.7 * peak["rps"])
@@ -140,7 +174,11 @@ def run_suite(name, url, model, data, out: Path, log, full: bool):
 
 
 def plot(results, out: Path):
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        print("no matplotlib: no plot")
+        return
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
@@ -168,38 +206,55 @@ def main():
     ap.add_argument("checkpoint", type=Path)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--skip-baseline", action="store_true")
+    ap.add_argument("--sweep", nargs="*", default=[], metavar="MODEL=N,MODEL=N",
+                    help="instance-count variants, e.g. embeddinggemma_encoder=2,embeddinggemma_tokenizer=6")
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     tok = TextTokenizer(ModelConfig.load(a.checkpoint))
     words, rng = prose(), random.Random(0)
-    data = {"w1": [make_text(tok, words, 2047, rng) for _ in range(8)]}
-    for key, texts in {"w2": [make_text(tok, words, 16, rng) for _ in range(64)],
-                       "w3": [make_text(tok, words, 20, rng) for _ in range(256)],
-                       "w4": [make_text(tok, words, rng.randint(10, 40) if rng.random() < 0.8
-                                        else rng.randint(200, 600), rng) for _ in range(500)]}.items():
-        path = a.out / f"{key}.json"
-        path.write_text(json.dumps({"data": [{"TEXT": [t]} for t in texts]}))
-        data[key] = path
-    print("w1 token counts:", [tok.untruncated_length(t) for t in data["w1"]], flush=True)
+    texts = {"w1": [make_text(tok, words, 2047, rng) for _ in range(8)],
+             "w2": [make_text(tok, words, 16, rng) for _ in range(64)],
+             "w3": [make_text(tok, words, 20, rng) for _ in range(256)],
+             "w4": [make_text(tok, words, rng.randint(10, 40) if rng.random() < 0.8 else rng.randint(200, 600), rng)
+                    for _ in range(500)]}
+    data = {}
+    for utf8 in (False, True):
+        data[utf8] = {}
+        for key in ("w1", "w2", "w3", "w4"):
+            path = a.out / f"{key}{'_utf8' if utf8 else ''}.json"
+            path.write_text(json.dumps(pa_data(texts[key], utf8)))
+            data[utf8][key] = path
+    print("w1 token counts:", [tok.untruncated_length(t) for t in texts["w1"]], flush=True)
+    tok_ms = tokenizer_times(tok, a.checkpoint, texts)
+    print("tokenizer alone, ms (median of 20):", json.dumps(tok_ms), flush=True)
     results = {}
     log = open(a.out / "perf_analyzer.log", "w")
-    suites = [("ours", ROOT / "model_repository", "embeddinggemma", True)]
-    if not a.skip_baseline:
-        suites.append(("st_bf16", ROOT / "perf" / "baseline_repository", "st_bf16", False))
-    for name, repo, model, full in suites:
+    ours = ROOT / "model_repository"
+    # (name, repository, model, suite, instance counts, stub Python: None = the default numpy<2 one)
+    suites = [("ours", ours, "embeddinggemma", "full", None, None)]
+    for v in a.sweep:  # named like "ours tok6 enc3"
+        counts = dict(kv.split("=") for kv in v.split(","))
+        suites.append(("ours " + " ".join(f"{m.rsplit('_', 1)[-1][:3]}{n}" for m, n in counts.items()), ours,
+                       "embeddinggemma", "sweep", counts, None))
+    if not a.skip_baseline:  # sentence-transformers needs the host's numpy 2: its stub runs this Python
+        suites.append(("st_bf16", ROOT / "perf" / "baseline_repository", "st_bf16", "short", None,
+                       str(Path(sys.executable).parent)))
+    for name, repo, model, suite, instances, stub_bin in suites:
         t0 = time.perf_counter()
         try:
-            with open(a.out / f"server_{name}.log", "w") as slog, \
+            with open(a.out / f"server_{re.sub(r'[^A-Za-z0-9_.-]+', '_', name)}.log", "w") as slog, \
                     TritonServer(a.checkpoint, http_port=free_port(), grpc_port=free_port(),
-                                 metrics_port=free_port(), log_file=slog, repository=repo) as s:
+                                 metrics_port=free_port(), log_file=slog, repository=repo,
+                                 instances={k: int(n) for k, n in (instances or {}).items()},
+                                 stub_bin=stub_bin) as s:
                 print(f"{name}: server ready in {time.perf_counter() - t0:.1f}s", flush=True)
-                results[name] = run_suite(name, s.grpc_url, model, data, a.out, log, full)
+                results[name] = run_suite(name, s.grpc_url, model, data[stub_bin is not None], a.out, log, suite)
         except RuntimeError as e:
-            errors = [ln for ln in open(a.out / f"server_{name}.log") if ln.startswith("E")]
+            errors = [ln for ln in open(slog.name) if ln.startswith("E")]
             print(f"{name}: server failed: {e}\n{''.join(errors)[:1500]}", flush=True)
             continue
         print(f"{name}: {json.dumps(results[name])}", flush=True)
-    (a.out / "results.json").write_text(json.dumps(results, indent=2))
+    (a.out / "results.json").write_text(json.dumps({"tokenizer_ms": tok_ms, **results}, indent=2))
     plot(results, a.out)
     summary(results)
 
@@ -207,24 +262,31 @@ def main():
 def summary(results):
     def f(v, k):
         return f"{v[k]:.2f}" if v and v.get(k) is not None else "-"
-    print(f"\n{'workload':<34}" + "".join(f"{n:>22}" for n in results))
-    rows = [("w1 8x2048 p50 / p99 ms", lambda r: f"{f(r['w1'], 'p50_ms')} / {f(r['w1'], 'p99_ms')}"),
-            ("w2 1 query p50 / p99 ms", lambda r: f"{f(r['w2'], 'p50_ms')} / {f(r['w2'], 'p99_ms')}")]
+
     def split(r):
-        m = r["w1"].get("per_model_ms_per_execution", {})
-        return " / ".join(f"{m[k]['compute_infer']:.1f}" if k in m else "-"
-                          for k in ("embeddinggemma_tokenizer", "embeddinggemma_encoder"))
-    rows.append(("w1 tokenizer / encoder infer ms", split))
+        m = (r.get("w1") or {}).get("per_model_ms_per_execution", {})
+        return " / ".join(f"{m[k]['compute_infer']:.1f}" if k in m else "-" for k in MODELS)
+
+    def serial(r):
+        """Per request, the time its model instance spent on it (in + infer + out per execution / batch), us,
+        and the mean batch: what caps one instance's throughput."""
+        m = r.get("w3_c128_per_model", {})
+        return " / ".join(f"{sum(m[k][x] for x in ('compute_input', 'compute_infer', 'compute_output')) * 1e3 * m[k]['executions'] / m[k]['inferences']:.0f}"
+                          f" (b{m[k]['inferences'] / m[k]['executions']:.0f})" if k in m else "-" for k in MODELS)
+    rows = [("w1 8x2048 p50 / p99 ms", lambda r: f"{f(r.get('w1'), 'p50_ms')} / {f(r.get('w1'), 'p99_ms')}"),
+            ("w1 tokenizer / encoder infer ms", split),
+            ("w2 1 query p50 / p99 ms", lambda r: f"{f(r['w2'], 'p50_ms')} / {f(r['w2'], 'p99_ms')}")]
     for c in CONCURRENCY:
         rows.append((f"w3 c={c} req/s (p50 ms)", lambda r, c=c: f"{f(r['w3'].get(c), 'rps')} "
                                                                  f"({f(r['w3'].get(c), 'p50_ms')})"))
-    rows.append(("w3 c=128 queue / compute ms", lambda r: f"{f(r['w3'].get(128), 'queue_ms')} / "
-                                                           f"{f(r['w3'].get(128), 'compute_ms')}"))
+    rows.append(("w3 c=128 us/req tok / enc (batch)", serial))
     rows.append(("GPU util at c=128 %", lambda r: f"{r.get('gpu_util_c128') or 0:.0f}"))
     rows.append(("w4 @70% max: p50 / p99 ms", lambda r: f"{f(r.get('w4'), 'p50_ms')} / {f(r.get('w4'), 'p99_ms')}"))
     rows.append(("w4 max req/s, rate", lambda r: f"{f(r.get('w4'), 'max_rps')}, {(r.get('w4') or {}).get('rate', '-')}"))
+    width = max(24, *(len(n) + 2 for n in results))
+    print(f"\n{'workload':<34}" + "".join(f"{n:>{width}}" for n in results))
     for label, fn in rows:
-        print(f"{label:<34}" + "".join(f"{fn(r):>22}" for r in results.values()))
+        print(f"{label:<34}" + "".join(f"{fn(r):>{width}}" for r in results.values()))
 
 
 if __name__ == "__main__":

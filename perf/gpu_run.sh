@@ -1,7 +1,15 @@
 #!/usr/bin/env bash
-# One call on the GPU host: unpack the offline bundles, run the GPU tests, benchmark, print a short table.
-#   device run, carry [.gpu/...]:  bash perf/gpu_run.sh [engine|serve|all]
-# Full logs and JSON go to $OUT. Needs .gpu/activate.sh and the archives named in perf/README.md.
+# One call on the GPU host: unpack the offline bundles, then run the given steps in order and print short tables.
+#   device run, carry [.gpu/...]:  bash perf/gpu_run.sh STEP [STEP ...]
+# Steps:
+#   deps                 only unpack what was carried (a warm machine keeps it for the next call: FA3 + sgl-kernel
+#                        do not fit one transfer beside the server)
+#   engine               GPU tests, profile, engine benchmark
+#   serve                serving benchmark (perf/bench_serve.py) incl. the sentence-transformers baseline and
+#                        the instance-count sweep in $EGEMMA_SWEEP (space-separated MODEL=N,MODEL=N variants)
+#   soak-start[=SECS]    start perf/soak_gpu.py (default 900 s) detached, so it outlives this call
+#   soak-wait            wait (up to ~9 min) for the soak to end; its results go to $OUT either way
+# Full logs and JSON go to $OUT. Needs .gpu/activate.sh and the archives named in perf/RESULTS.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/egemma-out}"
@@ -12,8 +20,8 @@ site="$(python3 -c 'import site; print(site.getsitepackages()[0])')"
 echo "$PWD" > "$site/egemma-dev.pth"  # the project importable by python3 and by the stub's venv
 nvidia-smi --query-gpu=name,memory.used,clocks.sm,clocks.max.sm --format=csv,noheader
 echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo '?') $(date -u +%FT%TZ)"
-mode="${1:-engine}"
 FULL=/tmp/egemma-full
+SOAK=/tmp/egemma-soak
 if [ ! -f "$FULL/model.safetensors" ]; then  # real shapes, random weights; the real Gemma tokenizer if carried
   tok=()
   if [ -f .gpu/gemma-tokenizer.txz ]; then
@@ -21,16 +29,32 @@ if [ ! -f "$FULL/model.safetensors" ]; then  # real shapes, random weights; the 
   fi
   python3 scripts/make_checkpoint.py "$FULL" --full-size "${tok[@]}" >/dev/null
 fi
-if [ "$mode" = engine ] || [ "$mode" = all ]; then
-  EGEMMA_FULL_CHECKPOINT="$FULL" python3 -m pytest -q -rs -p no:cacheprovider tests/test_kernels.py tests/test_gpu.py \
-    2>&1 | tee "$OUT/gpu_tests.log" | tail -n 25
-  python3 perf/profile_engine.py "$FULL" > "$OUT/profile_engine.log" 2>&1; grep -A3 "^== " "$OUT/profile_engine.log" | cut -c1-150
-  python3 perf/bench_engine.py "$FULL" --out "$OUT/bench_engine.json" 2>&1 | tee "$OUT/bench_engine.log" \
-    | grep -v "^\s*$" | tail -n 12
-fi
-if [ "$mode" = serve ] || [ "$mode" = all ]; then
-  "$TRITON_STUB_PATH/python3" -c "import sentence_transformers" 2>&1 | tail -n 3 | sed 's/^/stub env: /'
-  python3 perf/bench_serve.py "$FULL" --out /tmp/serve 2>&1 | tee "$OUT/bench_serve.log" | tail -n 30
-  cp /tmp/serve/results.json /tmp/serve/serve_w3.png "$OUT/" 2>/dev/null
-  tar czf "$OUT/serve.tgz" -C /tmp/serve .
-fi
+for step in "$@"; do
+  echo "== $step $(date -u +%T)"
+  case "$step" in
+    deps) ;;
+    engine)
+      EGEMMA_FULL_CHECKPOINT="$FULL" python3 -m pytest -q -rs -p no:cacheprovider tests/test_kernels.py tests/test_gpu.py \
+        2>&1 | tee "$OUT/gpu_tests.log" | tail -n 25
+      python3 perf/profile_engine.py "$FULL" > "$OUT/profile_engine.log" 2>&1; grep -A3 "^== " "$OUT/profile_engine.log" | cut -c1-150
+      python3 perf/bench_engine.py "$FULL" --out "$OUT/bench_engine.json" 2>&1 | tee "$OUT/bench_engine.log" \
+        | grep -v "^\s*$" | tail -n 12 ;;
+    serve)
+      # shellcheck disable=SC2086  # the sweep variants are meant to split on spaces
+      python3 perf/bench_serve.py "$FULL" --out /tmp/serve --sweep ${EGEMMA_SWEEP:-} 2>&1 | tee "$OUT/bench_serve.log" \
+        | grep -v "^\[transformers\]" | tail -n 40
+      cp /tmp/serve/results.json /tmp/serve/serve_w3.png "$OUT/" 2>/dev/null
+      tar czf "$OUT/serve.tgz" -C /tmp/serve . ;;
+    soak-start*)
+      secs="${step#soak-start}"; secs="${secs#=}"
+      mkdir -p "$SOAK"
+      setsid nohup python3 perf/soak_gpu.py "$FULL" --seconds "${secs:-900}" --out "$SOAK" > "$SOAK/log" 2>&1 < /dev/null &
+      echo "soak started (pid $!), log in $SOAK/log" ;;
+    soak-wait)
+      for _ in $(seq 108); do [ -f "$SOAK/soak.json" ] && break; sleep 5; done
+      tail -n 8 "$SOAK/log"
+      cp "$SOAK/log" "$OUT/soak.log" 2>/dev/null
+      [ -f "$SOAK/soak.json" ] && cp "$SOAK/soak.json" "$OUT/" && tar czf "$OUT/soak.tgz" -C "$SOAK" . ;;
+    *) echo "unknown step $step" >&2; exit 2 ;;
+  esac
+done

@@ -41,3 +41,26 @@ def test_real_checkpoint_served_equals_sentence_transformers(real_server, real_c
     ref = st_model(real_checkpoint).encode(TEXTS, convert_to_numpy=True)
     assert got.shape == (len(TEXTS), 768)
     assert cosine(got, ref).min() >= 0.99999 and np.abs(got - ref).max() <= 1e-5
+
+
+def test_word_splits_keep_real_gemma_ids(real_checkpoint):
+    """The split pre-tokenizer (egemma.tokenizer.split_words) against Gemma's own, on prose, code, HTML and
+    random strings of the characters that matter (">" is the one glued to "▁" by a merge)."""
+    import glob
+    import random
+    from pathlib import Path
+
+    from tokenizers import Tokenizer
+
+    from egemma.tokenizer import resolved_tokenizer_json, split_words
+    raw = resolved_tokenizer_json(real_checkpoint)
+    fast, why_not = split_words(raw)
+    assert why_not is None
+    root = Path(__file__).resolve().parent.parent
+    texts = [Path(f).read_text(errors="ignore") for f in sorted(glob.glob(f"{root}/**/*.py", recursive=True))]
+    texts += TEXTS + ["<b> </b>  <i>   </i>", "a> </p>\n\t> \u2581</", "x" * 5000 + " y" * 3000]
+    rng = random.Random(0)
+    texts += ["".join(rng.choice("ab >< /\n\t\u2581é日🚀") for _ in range(rng.randint(0, 200)))
+              for _ in range(3000)]
+    plain, split = Tokenizer.from_str(raw), Tokenizer.from_str(fast)
+    assert [e.ids for e in split.encode_batch(texts)] == [e.ids for e in plain.encode_batch(texts)]

@@ -51,3 +51,35 @@ def test_resolved_tokenizer_file_gives_the_same_ids(checkpoints, variant, tmp_pa
     assert (a.adds_bos, a.adds_eos) == (b.adds_bos, b.adds_eos)
     assert [s.tolist() for s in a.encode(texts)] == [s.tolist() for s in b.encode(texts)]
 
+
+
+def glued_bpe() -> str:
+    """A Gemma-like BPE (spaces normalised to "▁", which the " " split then never sees) trained without word
+    boundaries, so merges glue characters across "▁": the case split_words must respect."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    tok.normalizer = normalizers.Replace(" ", "▁")
+    tok.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+    corpus = ["<b> </b> a> </p>", "the cat sat", "x y x y x y", "ab  cd\t ef\nab"] * 50
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>"]))
+    return tok.to_str()
+
+
+ODD = "ab >< /\n\t▁é日🚀xy"
+
+
+@pytest.mark.parametrize("source", ["glued", "checkpoint"])
+def test_word_splits_give_the_same_ids(checkpoints, source):
+    import random
+    from tokenizers import Tokenizer
+    from egemma.tokenizer import resolved_tokenizer_json, split_words
+    raw = glued_bpe() if source == "glued" else resolved_tokenizer_json(checkpoints["eos"])
+    fast, why_not = split_words(raw)
+    assert why_not is None
+    if source == "glued":
+        assert "\\x{3e}" in fast  # ">" glued to "▁" by a merge: no split after it
+    rng = random.Random(0)
+    texts = EDGE + make_texts(30, 300) + ["<b> </b>  a> </p>", "x y  x y", "> </", ">  ", "  >"]
+    texts += ["".join(rng.choice(ODD) for _ in range(rng.randint(0, 80))) for _ in range(2000)]
+    plain, split = Tokenizer.from_str(raw), Tokenizer.from_str(fast)
+    assert [e.ids for e in split.encode_batch(texts)] == [e.ids for e in plain.encode_batch(texts)]

@@ -41,24 +41,40 @@ class TritonPythonModel:
             raise OptionError(f"SEQ_LEN has {lens.shape[0]} rows, INPUT_IDS {ids.shape[0]}")
         if lens.size and not (1 <= lens.min() and lens.max() <= ids.shape[1]):
             raise OptionError(f"SEQ_LEN values must lie in [1, {ids.shape[1]}], got {lens.tolist()}")
-        why = self.engine.check(ids.reshape(-1), ids.shape[1]) if ids.size else None  # padding is a valid id
-        if why:
-            raise OptionError(why)
+        if ids.shape[1] > self.engine.cfg.max_positions:
+            raise OptionError(f"sequences of {ids.shape[1]} tokens exceed the model's "
+                              f"{self.engine.cfg.max_positions} positions")
         return [ids[j, :n] for j, n in enumerate(lens.tolist())]
 
+    def _vocab_errors(self, spans) -> dict[int, str]:
+        """{request index: why} for requests with ids outside the vocabulary. One check over the whole batch;
+        only a batch that fails it is checked request by request (~5 us per request saved)."""
+        seqs = [r for *_, rows in spans for r in rows]
+        if not seqs:
+            return {}
+        flat = np.concatenate(seqs)
+        if 0 <= flat.min() and flat.max() < self.engine.cfg.vocab_size:
+            return {}
+        return {i: why for i, _, rows in spans
+                if rows and (why := self.engine.check(np.concatenate(rows), max(len(r) for r in rows)))}
+
     def execute(self, requests):
-        seqs, spans, responses = [], [], [None] * len(requests)
+        parsed, responses = [], [None] * len(requests)
         for i, req in enumerate(requests):
             try:
                 opts = RequestOptions.parse(req.parameters())
                 check_dimensions(opts, self.dims)
-                rows = self._rows(req)
+                parsed.append((i, opts, self._rows(req)))
             except OptionError as e:
                 responses[i] = _invalid(str(e))
-                continue
             except Exception as e:  # a bug must cost this request only, never the batch
                 logging.getLogger("egemma").exception("bad request")
                 responses[i] = pb_utils.InferenceResponse(error=pb_utils.TritonError(f"internal error: {e}"))
+        bad = self._vocab_errors(parsed)
+        seqs, spans = [], []
+        for i, opts, rows in parsed:
+            if i in bad:
+                responses[i] = _invalid(bad[i])
                 continue
             spans.append((i, len(seqs), len(seqs) + len(rows), opts))
             seqs.extend(rows)

@@ -67,9 +67,12 @@ class TritonPythonModel:
                     responses[i] = _invalid(
                         f"text {j} has {n} tokens, over the {self.tok.max_length}-token limit (truncate=false)")
                     continue
-            out = np.full((len(rows), int(lens.max(initial=1))), self.cfg.pad_id, dtype=np.int32)
-            for j, r in enumerate(rows):
-                out[j, :len(r)] = r
+            if len(rows) == 1:  # the common single-text request: no padding to do
+                out = rows[0][None]
+            else:
+                out = np.full((len(rows), int(lens.max(initial=1))), self.cfg.pad_id, dtype=np.int32)
+                for j, r in enumerate(rows):
+                    out[j, :len(r)] = r
             responses[i] = pb_utils.InferenceResponse(output_tensors=[
                 pb_utils.Tensor("INPUT_IDS", out), pb_utils.Tensor("SEQ_LEN", lens[:, None])])
         self.counters.add(texts=len(texts), tokenizer_seconds=time.perf_counter() - t0)

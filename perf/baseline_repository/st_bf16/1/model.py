@@ -9,12 +9,14 @@ from egemma.config import triton_params
 class TritonPythonModel:
     def initialize(self, args):
         checkpoint, _ = triton_params(args["model_config"])
-        self.model = SentenceTransformer(checkpoint, device="cuda").to(torch.bfloat16)
+        device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: smoke tests only
+        self.model = SentenceTransformer(checkpoint, device=device).to(torch.bfloat16)
 
     def execute(self, requests):
         texts, spans = [], []
         for req in requests:
-            batch = [t.decode("utf-8") for t in pb_utils.get_input_tensor_by_name(req, "TEXT").as_numpy().reshape(-1)]
+            rows = pb_utils.get_input_tensor_by_name(req, "TEXT_UTF8").as_numpy()
+            batch = [r.tobytes().rstrip(b"\0").decode("utf-8") for r in rows]
             spans.append((len(texts), len(texts) + len(batch)))
             texts.extend(batch)
         emb = self.model.encode(texts, batch_size=len(texts), convert_to_numpy=True).astype("float32")
