@@ -7,7 +7,7 @@
 #   engine               GPU tests, profile, engine benchmark
 #   serve                serving benchmark (perf/bench_serve.py) incl. the sentence-transformers baseline and
 #                        the instance-count sweep in $EGEMMA_SWEEP (space-separated MODEL=N,MODEL=N variants)
-#   soak-start[=SECS]    start perf/soak_gpu.py (default 900 s) detached, so it outlives this call
+#   soak-start[=SECS]    start perf/soak_gpu.py (30 s warm-up + 870 s) detached, so it outlives this call
 #   soak-wait            wait (up to ~9 min) for the soak to end; its results go to $OUT either way
 # Full logs and JSON go to $OUT. Needs .gpu/activate.sh and the archives named in perf/RESULTS.md.
 set -uo pipefail
@@ -48,7 +48,7 @@ for step in "$@"; do
     soak-start*)
       secs="${step#soak-start}"; secs="${secs#=}"
       mkdir -p "$SOAK"
-      setsid nohup python3 perf/soak_gpu.py "$FULL" --seconds "${secs:-900}" --out "$SOAK" > "$SOAK/log" 2>&1 < /dev/null &
+      setsid nohup python3 perf/soak_gpu.py "$FULL" --seconds "${secs:-870}" --warmup 30 --out "$SOAK" > "$SOAK/log" 2>&1 < /dev/null &
       echo "soak started (pid $!), log in $SOAK/log" ;;
     soak-wait)
       for _ in $(seq 108); do [ -f "$SOAK/soak.json" ] && break; sleep 5; done
