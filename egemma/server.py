@@ -236,6 +236,9 @@ def main(argv=None):
     ap.add_argument("--openai-port", type=int, help="also serve an OpenAI-compatible POST /v1/embeddings here")
     ap.add_argument("--watchdog", action=argparse.BooleanOptionalAction, default=True,
                     help="restart the server when a canary inference fails or a model process dies (default on)")
+    ap.add_argument("--watchdog-max-busy", type=float, default=120.0, metavar="SECONDS",
+                    help="restart when canaries time out while the server is busy and no request completes for "
+                         "this long: a model is spinning (default 120)")
     a = ap.parse_args(argv)
     ckpt = resolve_checkpoint(a.model)
     params = dict(p.split("=", 1) for p in a.param)
@@ -253,7 +256,7 @@ def main(argv=None):
     print(f"starting tritonserver for {ckpt} ...", flush=True)
     if a.watchdog:
         from egemma.watchdog import Watchdog
-        supervisor = Watchdog(start).start()
+        supervisor = Watchdog(start, max_busy=a.watchdog_max_busy).start()
     else:
         supervisor = start()
     h = "127.0.0.1" if a.host in ("0.0.0.0", "::") else a.host

@@ -1,13 +1,19 @@
 """Keep a tritonserver serving: restart it when a model stops answering.
 
 Triton 2.51 does not restart a crashed Python backend stub, and /v2/health/ready keeps answering 200 after one
-died, so readiness proves nothing. The watchdog instead checks, every `interval` seconds, that the server process
-and all the stub processes it started are alive, and sends a canary inference (one short text through the
-ensemble, so every model is exercised). A dead process restarts the server at once; a failing canary does after
-`failures` failures in a row. A canary that times out while the server's processes keep using CPU is not a
-failure: the server is busy (a 64 x 2048-token batch takes ~25 s on two CPU cores), not hung. Restarting kills
-the server's process group (a graceful stop would wait out --exit-timeout-secs on the dead model) and starts it
-again on the same ports; requests in flight then fail, later ones succeed."""
+died, so readiness proves nothing. The watchdog instead checks, every `interval` seconds, the server process and
+the stub processes it started, then sends a canary inference (one short text through the ensemble, so every model
+is exercised). It restarts the server:
+- at once if the server exited, a stub died, or a stub is stopped (SIGSTOP; with several instances of a model
+  the canary would mostly be answered by the others, while the stopped one fails the requests it is given);
+- at once if the canary timed out while the server and its stubs used almost no CPU (under a quarter of a core)
+  and no request completed: a model is hung;
+- if canaries keep timing out while the processes are busy and no request completes (Triton's statistics API:
+  the canary model's success count) for more than `max_busy` seconds: a model is spinning. While requests
+  complete, or for less long, a timed-out canary is excused (a 64 x 2048-token batch takes ~25 s on two cores);
+- after `failures` other canary failures (an error, a refused connection) in a row.
+Restarting kills the server's process group (a graceful stop would wait out --exit-timeout-secs on the dead model)
+and starts it again on the same ports; requests in flight then fail, later ones succeed."""
 from __future__ import annotations
 
 import json
@@ -50,6 +56,15 @@ def stub_pids(server_pid: int) -> dict[int, str]:
             if os.path.basename(argv[0]) == STUB}
 
 
+def stopped(pid: int) -> bool:
+    """Whether pid is stopped by a signal (state T in proc(5); not t, a tracer's brief pause such as py-spy's)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "T"
+    except OSError:  # gone: the liveness check reports that
+        return False
+
+
 def cpu_seconds(pid: int) -> float:
     """CPU time used so far by pid and its children (the stubs)."""
     total = 0
@@ -86,15 +101,27 @@ def canary(http_url: str, model: str = "embeddinggemma", timeout: float = 5.0) -
         return f"canary failed: {type(e).__name__}: {e}"
 
 
+def completed(http_url: str, model: str = "embeddinggemma", timeout: float = 1.0) -> int | None:
+    """Requests the model has answered successfully so far (Triton's statistics API), None if unknown."""
+    try:
+        with urllib.request.urlopen(f"http://{http_url}/v2/models/{model}/stats", timeout=timeout) as r:
+            return int(json.load(r)["model_stats"][0]["inference_stats"]["success"]["count"])
+    except Exception:  # unreachable or malformed: no evidence of progress
+        return None
+
+
 class Watchdog:
     """Runs `start()` (which returns a ready egemma.server.TritonServer) and keeps it serving.
     `events` records (time.monotonic() when noticed, reason, seconds until serving again or None if the restart
     failed) for every restart; `busy` counts canary timeouts excused because the server was computing."""
 
     def __init__(self, start: Callable[[], object], interval: float = 2.0, timeout: float = 5.0, failures: int = 2,
+                 max_busy: float = 120.0,
                  log=lambda msg: print(f"watchdog: {msg}", file=sys.stderr, flush=True)):
         self._start, self.interval, self.timeout, self.failures, self.log = start, interval, timeout, failures, log
+        self.max_busy = max_busy
         self.server = None
+        self._progress = 0.0  # time.monotonic() when the server last answered a request
         self.events: list[tuple[float, str, float | None]] = []
         self.busy = 0
         self._stop = threading.Event()
@@ -104,6 +131,7 @@ class Watchdog:
     def start(self) -> "Watchdog":
         self.server = self._start()
         self.n_stubs = len(stub_pids(self.server.proc.pid))
+        self._progress = time.monotonic()
         self._thread.start()
         return self
 
@@ -117,15 +145,30 @@ class Watchdog:
             return "no server (last start failed)", True
         if self.server.proc.poll() is not None:
             return f"tritonserver exited with {self.server.proc.returncode}", True
-        alive = len(stub_pids(self.server.proc.pid))
-        if alive < self.n_stubs:
-            return f"{self.n_stubs - alive} of {self.n_stubs} Python backend stubs died", True
-        cpu = cpu_seconds(self.server.proc.pid)
-        why = canary(self._url(), timeout=self.timeout)
-        if why == TIMED_OUT and cpu_seconds(self.server.proc.pid) - cpu >= 0.25 * self.timeout:
-            self.busy += 1
-            return None, False  # busy, not hung
-        return why, why is not None and failed_before + 1 >= self.failures
+        stubs = stub_pids(self.server.proc.pid)
+        if len(stubs) < self.n_stubs:
+            return f"{self.n_stubs - len(stubs)} of {self.n_stubs} Python backend stubs died", True
+        frozen = [f"{os.path.basename(os.path.dirname(os.path.dirname(m)))} (pid {p})" for p, m in stubs.items()
+                  if stopped(p)]
+        if frozen:
+            return f"stopped Python backend stub of {', '.join(frozen)}", True
+        url, pid = self._url(), self.server.proc.pid
+        done, cpu = completed(url), cpu_seconds(pid)
+        why = canary(url, timeout=self.timeout)
+        now, idle = time.monotonic(), cpu_seconds(pid) - cpu < 0.25 * self.timeout
+        if why is None:
+            self._progress = now
+        if why != TIMED_OUT:
+            return why, why is not None and failed_before + 1 >= self.failures
+        if done is not None and completed(url) not in (None, done):
+            self._progress = now  # busy and answering requests
+        elif idle:
+            return f"canary timed out after {self.timeout:g}s with the server idle: a model is hung", True
+        elif now - self._progress > self.max_busy:
+            return (f"canaries time out and no request completed for {now - self._progress:.0f}s while the server "
+                    f"is busy (over max_busy {self.max_busy:g}s): a model is spinning"), True
+        self.busy += 1
+        return None, False  # busy, not hung
 
     def _run(self):
         failed = 0
@@ -146,6 +189,7 @@ class Watchdog:
             try:
                 self.server = self._start()
                 self.n_stubs = len(stub_pids(self.server.proc.pid))
+                self._progress = time.monotonic()
                 took = time.monotonic() - noticed
                 self.log(f"tritonserver serving again after {took:.1f}s")
             except Exception as e:  # e.g. a port still taken: try again on the next check

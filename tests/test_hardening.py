@@ -330,13 +330,15 @@ def test_sigterm_drains_the_request_in_flight(checkpoints, tmp_path):
 
 def test_watchdog_leaves_a_busy_server_alone(checkpoints, tmp_path):
     """A canary stuck behind a long batch is not a crash: with a 0.5 s canary timeout and a restart on the first
-    failure, a 16 x 2048-token batch (seconds on CPU) still completes, and nothing is restarted."""
+    failure, a 16 x 2048-token batch (seconds on CPU) on the only encoder instance still completes, and nothing
+    is restarted."""
     from egemma.server import TritonServer, free_port
     from egemma.watchdog import Watchdog
     text = "kalo the " * 1500
     log = open(tmp_path / "tritonserver.log", "w")
     start = lambda: TritonServer(checkpoints["eos"], http_port=free_port(), grpc_port=free_port(),  # noqa: E731
-                                 metrics_port=free_port(), run_dir=tmp_path, log_file=log, ready_timeout=300)
+                                 metrics_port=free_port(), run_dir=tmp_path, log_file=log, ready_timeout=300,
+                                 instances={"embeddinggemma_encoder": 1})  # else a free one answers the canary
     with log, Watchdog(start, interval=0.5, timeout=0.5, failures=1) as wd:
         c = grpcclient.InferenceServerClient(wd.server.grpc_url)
         r = c.infer("embeddinggemma", [text_input([text] * 16)], client_timeout=120).as_numpy("EMBEDDING")
@@ -423,7 +425,7 @@ def test_launcher_watchdog_restores_service_after_the_encoder_dies(checkpoints, 
             c.async_infer("embeddinggemma", [text_input(long)], client_timeout=60,
                           callback=lambda result, error, k=k: inflight.put((k, result, error)))
         _wait_for(lambda: _count(c, "embeddinggemma_tokenizer") >= n0 + 8, 60, "requests to reach the encoder")
-        [enc] = [p for p, model in stub_pids(pid).items() if "embeddinggemma_encoder" in model]
+        enc = min(p for p, model in stub_pids(pid).items() if "embeddinggemma_encoder" in model)  # one of them
         os.kill(enc, signal.SIGKILL)
         killed = time.monotonic()
 
@@ -484,3 +486,85 @@ def _gone(pid):
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
     except OSError:
         return True
+
+
+def test_watchdog_restarts_the_server_when_an_encoder_stub_is_stopped(checkpoints, tmp_path, good_ref):
+    """SIGSTOP one encoder stub while all of them compute (the others would answer the canary, and Triton fails
+    the requests given to the stopped one): the watchdog notices within 10 s, the requests in flight end (an
+    answer or a clean error, no hang), and the service is back within 30 s."""
+    from egemma.server import TritonServer, free_port
+    from egemma.watchdog import Watchdog, stub_pids
+    ports = [free_port() for _ in range(3)]
+    log = open(tmp_path / "tritonserver.log", "w")
+    start = lambda: TritonServer(checkpoints["eos"], http_port=ports[0], grpc_port=ports[1],  # noqa: E731
+                                 metrics_port=ports[2], run_dir=tmp_path, log_file=log, ready_timeout=300)
+    enc = None
+    with log, Watchdog(start) as wd:
+        try:
+            c = grpcclient.InferenceServerClient(wd.server.grpc_url)
+            n0 = _count(c, "embeddinggemma_tokenizer")
+            inflight = queue.Queue()
+            for _ in range(6):
+                c.async_infer("embeddinggemma", [text_input(["kalo the " * 1000] * 4)], client_timeout=60,
+                              callback=lambda result, error: inflight.put(error))
+            _wait_for(lambda: _count(c, "embeddinggemma_tokenizer") >= n0 + 8, 60, "requests to reach the encoder")
+            enc = min(p for p, model in stub_pids(wd.server.proc.pid).items() if "embeddinggemma_encoder" in model)
+            os.kill(enc, signal.SIGSTOP)
+            stopped = time.monotonic()
+            _wait_for(lambda: wd.events, 30, "the watchdog to restart the server")
+            noticed, why, took = wd.events[0]
+            assert noticed - stopped < 10 and "stopped" in why, (noticed - stopped, why)
+            for _ in range(6):
+                e = inflight.get(timeout=60)
+                assert e is None or isinstance(e, InferenceServerException) and e.message(), e
+            got = grpcclient.InferenceServerClient(wd.server.grpc_url).infer(  # a new channel: the old one backs off
+                "embeddinggemma", [text_input(GOOD)], client_timeout=30).as_numpy("EMBEDDING")
+            assert_close(got, good_ref)
+            recovered = time.monotonic() - stopped
+            assert recovered < 30, recovered
+            print(f"noticed after {noticed - stopped:.1f}s ({why}), serving again after {recovered:.1f}s")
+        finally:
+            if enc is not None and not _gone(enc):
+                os.kill(enc, signal.SIGCONT)
+
+
+def _stuck_model(checkpoints, tmp_path, text, **watchdog_args):
+    """Serve tests/spin_repository (one instance; "spin" loops forever, "hang" blocks forever) under a Watchdog,
+    send `text`, wait for the restart; the stuck request must end with a clean error and the canary succeed
+    within 30 s. Returns (seconds from sending to the watchdog noticing, its reason, its excused timeouts)."""
+    from egemma.server import TritonServer, free_port
+    from egemma.watchdog import Watchdog, canary
+    ports = [free_port() for _ in range(3)]
+    log = open(tmp_path / "tritonserver.log", "w")
+    start = lambda: TritonServer(checkpoints["eos"], http_port=ports[0], grpc_port=ports[1],  # noqa: E731
+                                 metrics_port=ports[2], run_dir=tmp_path, log_file=log, ready_timeout=60,
+                                 repository=ROOT / "tests" / "spin_repository")
+    with log, Watchdog(start, **watchdog_args) as wd:
+        assert canary(wd.server.http_url) is None
+        done = queue.Queue()
+        grpcclient.InferenceServerClient(wd.server.grpc_url).async_infer(
+            "embeddinggemma", [text_input([text])], client_timeout=120, callback=lambda result, error: done.put(error))
+        sent = time.monotonic()
+        _wait_for(lambda: wd.events, 60, "the watchdog to restart the server")
+        noticed, why, took = wd.events[0]
+        e = done.get(timeout=30)
+        assert isinstance(e, InferenceServerException), e
+        assert took is not None and canary(wd.server.http_url) is None
+        assert time.monotonic() - noticed < 30, "service not restored within 30 s of noticing"
+        print(f"{text!r}: noticed after {noticed - sent:.1f}s ({why}), serving again after {took:.1f}s")
+        return noticed - sent, why, wd.busy
+
+
+def test_watchdog_restarts_a_model_hung_without_cpu(checkpoints, tmp_path):
+    """A model blocked forever without using CPU: the first canary that times out is enough (default interval
+    2 s, timeout 5 s: noticed within 7 s and a little)."""
+    noticed, why, _ = _stuck_model(checkpoints, tmp_path, "hang")
+    assert noticed < 8 and "hung" in why, (noticed, why)
+
+
+def test_watchdog_restarts_a_spinning_model(checkpoints, tmp_path):
+    """A model looping forever on the CPU looks busy: its timed-out canaries are excused until no request has
+    completed for max_busy seconds, then the server is restarted."""
+    noticed, why, busy = _stuck_model(checkpoints, tmp_path, "spin", interval=1, timeout=2, max_busy=8)
+    assert busy >= 1 and "spinning" in why, (busy, why)
+    assert 8 - 1 - 2 < noticed < 8 + 2 * (1 + 2), noticed
