@@ -24,33 +24,56 @@ def resolved_tokenizer_json(path) -> str:
     return AutoTokenizer.from_pretrained(str(path)).backend_tokenizer.to_str()
 
 
-def split_words(tokenizer_json: str) -> tuple[str, str | None]:
-    """The same tokenizer, faster on long texts: (json, None), or (unchanged json, why not).
+class Chunker:
+    """Cuts texts where the tokenizer's ids cannot change, so long texts tokenise as several pieces in parallel.
 
-    Gemma's pre-tokenizer splits on " " after the normalizer has turned every " " into "▁", so each text reaches
-    BPE as one word: a 2048-token text is merged as a whole and never hits BPE's word cache. This adds a split
-    before every "▁" run that follows a character c such that no vocabulary token contains c + "▁". No merge
-    can produce a token across such a boundary, so BPE gives the same ids on the pieces as on the whole (only
-    Gemma's ">▁</" keeps ">" out of the split set)."""
-    d = json.loads(tokenizer_json)
-    m = d.get("model", {})
-    if m.get("type") != "BPE" or m.get("dropout") or m.get("ignore_merges") or \
-            m.get("continuing_subword_prefix") or m.get("end_of_word_suffix"):
-        return tokenizer_json, "not a plain BPE model"
-    vocab = m.get("vocab", {})
-    if not any("▁" in t for t in vocab):
-        return tokenizer_json, "no '▁' in the vocabulary"
-    glued = "".join(sorted({c for t in vocab for c in re.findall("([^▁])▁", t)}))
+    Gemma's normaliser turns every " " into "▁" before its pre-tokenizer splits on " " (which is then never
+    there), so each text reaches BPE as one word and a 2048-token text costs one core ~2.4 ms. A cut before a
+    " " that follows a character c is safe when no vocabulary token contains c + "▁" and no added token contains
+    c + " " or c + "▁": no merge or added-token match can span it, so the ids of the pieces, concatenated, are
+    the ids of the whole (only ">", from Gemma's ">▁</", is excluded). For the same reason the first n tokens
+    come from the first n * longest-token characters, so truncated texts are cut there first."""
 
-    def esc(chars: str) -> str:  # Oniguruma code-point escapes: safe for any character in a class
-        return "".join(f"\\x{{{ord(c):x}}}" for c in chars)
-    sp = esc("▁")
-    piece = f"[^{sp}{esc(glued)}]" + (f"|[{esc(glued)}]{sp}*" if glued else "")  # a glued char keeps its "▁"s
-    split = {"type": "Split", "pattern": {"Regex": f"{sp}+(?:{piece})*|(?:{piece})+"},
-             "behavior": "Isolated", "invert": False}
-    pre = d.get("pre_tokenizer")
-    d["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [pre, split] if pre else [split]}
-    return json.dumps(d, ensure_ascii=False), None
+    def __init__(self, tokenizer_json: str, chunk_chars: int = 2048):
+        d = json.loads(tokenizer_json)
+        m = d.get("model", {})
+        self.why_not = None
+        if d.get("normalizer") != {"type": "Replace", "pattern": {"String": " "}, "content": "▁"}:
+            self.why_not = "the normaliser is not Gemma's ' ' -> '▁'"
+        elif m.get("type") != "BPE" or m.get("dropout") or m.get("ignore_merges") or \
+                m.get("continuing_subword_prefix") or m.get("end_of_word_suffix"):
+            self.why_not = "not a plain BPE model"
+        added = d.get("added_tokens") or []
+        if any(a.get("lstrip") or a.get("rstrip") or a.get("single_word") for a in added):
+            self.why_not = "added tokens that strip or match whole words"
+        vocab = m.get("vocab", {})
+        self.glued = {" ", "▁"} | {c for t in vocab for c in re.findall("([^▁])▁", t)} | \
+            {c for a in added for c in re.findall("(.)[ ▁]", a["content"])}
+        # with byte fallback every character is >= 1 token; fused unknowns could span any length
+        self.longest = max(map(len, [*vocab, *(a["content"] for a in added)]), default=1) \
+            if m.get("byte_fallback") or not m.get("fuse_unk") else None
+        self.chunk_chars = chunk_chars
+
+    def cut(self, text: str, pos: int) -> int:
+        """The first safe cut at or after pos (len(text) if none)."""
+        while (i := text.find(" ", pos)) >= 0:
+            if i > 0 and text[i - 1] not in self.glued:
+                return i
+            pos = i + 1
+        return len(text)
+
+    def pieces(self, text: str, max_tokens: int | None = None) -> list[str]:
+        """text in pieces of about chunk_chars; with max_tokens, only as much text as can make that many tokens."""
+        if self.why_not:
+            return [text]
+        if max_tokens is not None and self.longest and len(text) > max_tokens * self.longest:
+            text = text[:self.cut(text, max_tokens * self.longest)]
+        out, start = [], 0
+        while len(text) - start > self.chunk_chars:
+            end = self.cut(text, start + self.chunk_chars)
+            out.append(text[start:end])
+            start = end
+        return out + [text[start:]] if start < len(text) else out
 
 
 class PromptError(ValueError):
@@ -63,20 +86,19 @@ class TextTokenizer:
         server's Python needs no transformers); by default it is resolved here."""
         self.cfg = cfg
         raw = Path(tokenizer_json).read_text(encoding="utf-8") if tokenizer_json else resolved_tokenizer_json(cfg.path)
-        fast, why_not = split_words(raw)
-        log.info("egemma: tokenizer %s", f"as is ({why_not})" if why_not else "with word splits (same ids, faster)")
-        self.tok = Tokenizer.from_str(fast)
+        self.tok = Tokenizer.from_str(raw)
         self.tok.no_padding()
         self.tok.no_truncation()
         plain = self.tok.encode("a", add_special_tokens=False).ids
         full = self.tok.encode("a").ids
+        # specials are added here, not by the tokenizer (its post-processor may omit EOS): know what it adds
         self.adds_bos = full[:1] == [cfg.bos_id] and full[1:1 + len(plain)] == plain
         self.adds_eos = full[-1:] == [cfg.eos_id] and len(full) == len(plain) + self.adds_bos + 1
         if len(full) != len(plain) + self.adds_bos + self.adds_eos:
             raise ValueError(f"{cfg.path}: the tokenizer adds special tokens other than BOS/EOS: {full} vs {plain}")
-        self.untruncated = Tokenizer.from_str(self.tok.to_str())  # for lengths: truncation is per Tokenizer
-        budget = cfg.max_seq_length - (not self.adds_bos) - (not self.adds_eos)
-        self.tok.enable_truncation(max_length=budget)
+        self.chunker = Chunker(raw)
+        log.info("egemma: tokenizer %s", f"in one piece per text ({self.chunker.why_not})" if self.chunker.why_not
+                 else f"in pieces of ~{self.chunker.chunk_chars} characters, tokenised in parallel")
         self.max_length = cfg.max_seq_length
 
     def prefix(self, prompt_name: str | None = None, prompt: str | None = None) -> str:
@@ -92,15 +114,29 @@ class TextTokenizer:
             raise PromptError(f"unknown prompt_name {name!r}; valid: {sorted(self.cfg.prompts)}")
         return self.cfg.prompts[name]
 
+    def _ids(self, texts: list[str], max_tokens: int | None) -> list[list[int]]:
+        """Ids without specials, each text's pieces tokenised together in one call; small work stays on this
+        thread (the parallel call's thread hand-offs cost more than a few short texts)."""
+        pieces, owner = [], []
+        for k, t in enumerate(texts):
+            for p in self.chunker.pieces(t, max_tokens):
+                pieces.append(p)
+                owner.append(k)
+        if sum(map(len, pieces)) <= self.chunker.chunk_chars:
+            encs = [self.tok.encode(p, add_special_tokens=False) for p in pieces]
+        else:
+            encs = self.tok.encode_batch_fast(pieces, add_special_tokens=False)
+        out = [[] for _ in texts]
+        for k, e in zip(owner, encs):
+            out[k] += e.ids
+        return out
+
     def untruncated_length(self, text: str) -> int:
         """Tokens the text would take without truncation, specials included."""
-        return len(self.untruncated.encode(text, add_special_tokens=False).ids) + 2
+        return len(self._ids([text], None)[0]) + 2
 
     def encode(self, texts: list[str]) -> list[np.ndarray]:
-        """int32 id arrays, BOS ... EOS, at most max_seq_length long. One batched call for all texts."""
-        encs = self.tok.encode_batch_fast(texts)
-        head = [self.cfg.bos_id] if not self.adds_bos else []
-        tail = [self.cfg.eos_id] if not self.adds_eos else []
-        if not head and not tail:
-            return [np.asarray(e.ids, dtype=np.int32) for e in encs]
-        return [np.asarray(head + e.ids + tail, dtype=np.int32) for e in encs]
+        """int32 id arrays BOS ... EOS, at most max_seq_length long (EOS kept last). One batched call."""
+        n = self.max_length - 2
+        return [np.asarray([self.cfg.bos_id, *ids[:n], self.cfg.eos_id], dtype=np.int32)
+                for ids in self._ids(texts, n)]

@@ -6,7 +6,8 @@
 #                        do not fit one transfer beside the server)
 #   engine               GPU tests, profile, engine benchmark
 #   serve                serving benchmark (perf/bench_serve.py) incl. the sentence-transformers baseline and
-#                        the instance-count sweep in $EGEMMA_SWEEP (space-separated MODEL=N,MODEL=N variants)
+#                        the instance-count sweep in $EGEMMA_SWEEP (space-separated MODEL=N,MODEL=N variants);
+#                        $EGEMMA_BENCH_ARGS go to bench_serve.py (e.g. "--suite short --skip-baseline")
 #   soak-start[=SECS]    start perf/soak_gpu.py (30 s warm-up + 870 s) detached, so it outlives this call
 #   soak-wait            wait (up to ~9 min) for the soak to end; its results go to $OUT either way
 # Full logs and JSON go to $OUT. Needs .gpu/activate.sh and the archives named in perf/RESULTS.md.
@@ -41,7 +42,7 @@ for step in "$@"; do
         | grep -v "^\s*$" | tail -n 12 ;;
     serve)
       # shellcheck disable=SC2086  # the sweep variants are meant to split on spaces
-      python3 perf/bench_serve.py "$FULL" --out /tmp/serve --sweep ${EGEMMA_SWEEP:-} 2>&1 | tee "$OUT/bench_serve.log" \
+      python3 perf/bench_serve.py "$FULL" --out /tmp/serve ${EGEMMA_BENCH_ARGS:-} --sweep ${EGEMMA_SWEEP:-} 2>&1 | tee "$OUT/bench_serve.log" \
         | grep -v "^\[transformers\]" | tail -n 40
       cp /tmp/serve/results.json /tmp/serve/serve_w3.png "$OUT/" 2>/dev/null
       tar czf "$OUT/serve.tgz" -C /tmp/serve . ;;

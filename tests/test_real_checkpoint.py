@@ -27,7 +27,7 @@ def real_server(real_checkpoint, tmp_path_factory):
 def test_real_tokenizer_matches(real_checkpoint):
     tok = TextTokenizer(ModelConfig.load(real_checkpoint))
     m = st_model(real_checkpoint)
-    texts = TEXTS + ["word " * 3000]
+    texts = TEXTS + ["word " * 3000, "x> </y z " * 16000]  # the second: cut before tokenising (Chunker)
     f = m.tokenize(texts)
     want = [r[:int(k.sum())].tolist() for r, k in zip(f["input_ids"], f["attention_mask"])]
     assert [s.tolist() for s in tok.encode(texts)] == want
@@ -43,24 +43,25 @@ def test_real_checkpoint_served_equals_sentence_transformers(real_server, real_c
     assert cosine(got, ref).min() >= 0.99999 and np.abs(got - ref).max() <= 1e-5
 
 
-def test_word_splits_keep_real_gemma_ids(real_checkpoint):
-    """The split pre-tokenizer (egemma.tokenizer.split_words) against Gemma's own, on prose, code, HTML and
-    random strings of the characters that matter (">" is the one glued to "▁" by a merge)."""
+def test_pieces_keep_real_gemma_ids(real_checkpoint):
+    """Texts tokenised in pieces (egemma.tokenizer.Chunker) against Gemma's tokenizer on whole texts: prose,
+    code, HTML and random strings of the characters that matter (">" is glued to "▁" by a merge)."""
     import glob
     import random
     from pathlib import Path
 
     from tokenizers import Tokenizer
 
-    from egemma.tokenizer import resolved_tokenizer_json, split_words
+    from egemma.tokenizer import Chunker, resolved_tokenizer_json
     raw = resolved_tokenizer_json(real_checkpoint)
-    fast, why_not = split_words(raw)
-    assert why_not is None
+    chunker, tok = Chunker(raw, chunk_chars=64), Tokenizer.from_str(raw)
+    assert chunker.why_not is None and chunker.glued == {" ", "▁", ">"}, chunker.glued
     root = Path(__file__).resolve().parent.parent
     texts = [Path(f).read_text(errors="ignore") for f in sorted(glob.glob(f"{root}/**/*.py", recursive=True))]
     texts += TEXTS + ["<b> </b>  <i>   </i>", "a> </p>\n\t> \u2581</", "x" * 5000 + " y" * 3000]
     rng = random.Random(0)
     texts += ["".join(rng.choice("ab >< /\n\t\u2581é日🚀") for _ in range(rng.randint(0, 200)))
               for _ in range(3000)]
-    plain, split = Tokenizer.from_str(raw), Tokenizer.from_str(fast)
-    assert [e.ids for e in split.encode_batch(texts)] == [e.ids for e in plain.encode_batch(texts)]
+    whole = [e.ids for e in tok.encode_batch(texts, add_special_tokens=False)]
+    pieces = [[i for p in chunker.pieces(t) for i in tok.encode(p, add_special_tokens=False).ids] for t in texts]
+    assert pieces == whole

@@ -55,7 +55,7 @@ def test_resolved_tokenizer_file_gives_the_same_ids(checkpoints, variant, tmp_pa
 
 def glued_bpe() -> str:
     """A Gemma-like BPE (spaces normalised to "▁", which the " " split then never sees) trained without word
-    boundaries, so merges glue characters across "▁": the case split_words must respect."""
+    boundaries, so merges glue characters across "▁": the case Chunker must respect."""
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
     tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
     tok.normalizer = normalizers.Replace(" ", "▁")
@@ -69,17 +69,24 @@ ODD = "ab >< /\n\t▁é日🚀xy"
 
 
 @pytest.mark.parametrize("source", ["glued", "checkpoint"])
-def test_word_splits_give_the_same_ids(checkpoints, source):
+def test_pieces_give_the_same_ids(checkpoints, source):
+    """Ids of a text's pieces, concatenated, are the whole text's ids; truncated texts cut early keep their
+    first n ids. Pieces of 8 characters, so nearly every safe cut is taken."""
     import random
     from tokenizers import Tokenizer
-    from egemma.tokenizer import resolved_tokenizer_json, split_words
+    from egemma.tokenizer import Chunker, resolved_tokenizer_json
     raw = glued_bpe() if source == "glued" else resolved_tokenizer_json(checkpoints["eos"])
-    fast, why_not = split_words(raw)
-    assert why_not is None
+    chunker, tok = Chunker(raw, chunk_chars=8), Tokenizer.from_str(raw)
+    assert chunker.why_not is None
     if source == "glued":
-        assert "\\x{3e}" in fast  # ">" glued to "▁" by a merge: no split after it
+        assert ">" in chunker.glued and "é" not in chunker.glued  # merged with a following "▁" / never seen
     rng = random.Random(0)
-    texts = EDGE + make_texts(30, 300) + ["<b> </b>  a> </p>", "x y  x y", "> </", ">  ", "  >"]
+    texts = EDGE + make_texts(30, 300) + ["<b> </b>  a> </p>", "x y  x y", "> </", ">  ", "  >", " " * 40]
     texts += ["".join(rng.choice(ODD) for _ in range(rng.randint(0, 80))) for _ in range(2000)]
-    plain, split = Tokenizer.from_str(raw), Tokenizer.from_str(fast)
-    assert [e.ids for e in split.encode_batch(texts)] == [e.ids for e in plain.encode_batch(texts)]
+    for t in texts:
+        want = tok.encode(t, add_special_tokens=False).ids
+        got = [i for p in chunker.pieces(t) for i in tok.encode(p, add_special_tokens=False).ids]
+        assert got == want, t
+        assert "".join(chunker.pieces(t)) == t
+        short = [i for p in chunker.pieces(t, 5) for i in tok.encode(p, add_special_tokens=False).ids]
+        assert short[:5] == want[:5], t
