@@ -115,17 +115,21 @@ class TextTokenizer:
         return self.cfg.prompts[name]
 
     def _ids(self, texts: list[str], max_tokens: int | None) -> list[list[int]]:
-        """Ids without specials, each text's pieces tokenised together in one call; small work stays on this
-        thread (the parallel call's thread hand-offs cost more than a few short texts)."""
-        pieces, owner = [], []
-        for k, t in enumerate(texts):
-            for p in self.chunker.pieces(t, max_tokens):
-                pieces.append(p)
-                owner.append(k)
-        if sum(map(len, pieces)) <= self.chunker.chunk_chars:
+        """Ids without specials, all texts' pieces tokenised in one call; small work stays on this thread (the
+        parallel call's thread hand-offs cost more than a few short texts)."""
+        c = self.chunker
+        if all(len(t) <= c.chunk_chars for t in texts):  # the common case: every text is one piece
+            pieces, owner = texts, None
+        else:
+            split = [c.pieces(t, max_tokens) for t in texts]
+            pieces = [p for ps in split for p in ps]
+            owner = [k for k, ps in enumerate(split) for _ in ps]
+        if sum(map(len, pieces)) <= c.chunk_chars:
             encs = [self.tok.encode(p, add_special_tokens=False) for p in pieces]
         else:
             encs = self.tok.encode_batch_fast(pieces, add_special_tokens=False)
+        if owner is None:
+            return [e.ids for e in encs]
         out = [[] for _ in texts]
         for k, e in zip(owner, encs):
             out[k] += e.ids
