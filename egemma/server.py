@@ -2,6 +2,7 @@
 
   python -m egemma.server [--model DIR] [--host 127.0.0.1] [--http-port 8000] [--grpc-port 8001]
                           [--metrics-port 8002] [--admin-key KEY] [--exit-timeout-secs 30] [--no-watchdog]
+                          [--watchdog-max-busy 120]
                           [--openai-port 8080] [--param KEY=VALUE ...] [--instances MODEL=N ...]
 
 The model repository is rendered into a run directory with the checkpoint path written into the configs

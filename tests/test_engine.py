@@ -113,3 +113,20 @@ def test_engine_config_from_model_parameters(checkpoints):
         EngineConfig.from_params(str(checkpoints["eos"]), {"colour": "red"})
     with pytest.raises(ValueError, match="max_tokens"):
         Engine(EngineConfig(str(checkpoints["eos"]), max_tokens=1024))  # below max_seq_length 2048
+
+
+def test_rendered_repository_takes_parameters_and_instance_counts(checkpoints, tmp_path):
+    """What `serve --param / --instances` write into the served copy of model_repository (the source stays)."""
+    from egemma.server import REPO, render_repository
+    source = (REPO / "embeddinggemma_encoder" / "config.pbtxt").read_text()
+    repo = render_repository(tmp_path / "repo", checkpoints["eos"], {"attention_backend": "fa2"},
+                             instances={"embeddinggemma_encoder": 2})
+    enc = (repo / "embeddinggemma_encoder" / "config.pbtxt").read_text()
+    assert "instance_group [ { count: 2 kind: KIND_MODEL } ]" in enc
+    assert 'key: "attention_backend" value: { string_value: "fa2" }' in enc
+    assert f'string_value: "{checkpoints["eos"]}"' in (repo / "embeddinggemma_tokenizer" / "config.pbtxt").read_text()
+    assert (REPO / "embeddinggemma_encoder" / "config.pbtxt").read_text() == source
+    with pytest.raises(ValueError, match="models"):
+        render_repository(tmp_path / "r2", checkpoints["eos"], instances={"nope": 2})
+    with pytest.raises(ValueError, match="colour"):
+        render_repository(tmp_path / "r3", checkpoints["eos"], {"colour": "red"})
