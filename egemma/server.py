@@ -42,6 +42,8 @@ DEMO = ROOT / ".cache" / "demo-checkpoint"
 # and logs to files. Inference, health, metadata, config and statistics stay open.
 ADMIN_APIS = "model-repository,shared-memory,trace,logging"
 ADMIN_HEADER = "admin-key"
+# Without a GPU each encoder instance is a CPU forward of its own: fewer processes than cores serve faster.
+CPU_INSTANCES = {"embeddinggemma_encoder": 1, "embeddinggemma_tokenizer": 2}
 
 
 def find_tritonserver() -> tuple[Path, Path]:
@@ -228,7 +230,7 @@ def main(argv=None):
                     help="model parameter, e.g. attention_backend=fa2 (repeatable)")
     ap.add_argument("--instances", action="append", default=[], metavar="MODEL=N",
                     help="instance count of a model, e.g. embeddinggemma_encoder=2 (repeatable; default: "
-                         "model_repository's configs)")
+                         "model_repository's configs on a GPU host, encoder 1 / tokenizer 2 without a GPU)")
     ap.add_argument("--admin-key", default=os.environ.get("EGEMMA_ADMIN_KEY"),
                     help=f"value of the '{ADMIN_HEADER}' header that the {ADMIN_APIS} APIs require "
                          "(default: $EGEMMA_ADMIN_KEY, else random, printed at start)")
@@ -244,6 +246,8 @@ def main(argv=None):
     ckpt = resolve_checkpoint(a.model)
     params = dict(p.split("=", 1) for p in a.param)
     instances = {m: int(n) for m, n in (p.split("=", 1) for p in a.instances)}
+    if not os.path.exists("/dev/nvidiactl"):  # the repository's counts are for a GPU host; on CPU they contend
+        instances = {**CPU_INSTANCES, **instances}
     key = a.admin_key or secrets.token_urlsafe(16)
 
     def start():

@@ -88,7 +88,9 @@ def model_stats(c) -> dict:
 
 
 def stats_delta(before, after) -> dict:
-    """Per model: executions and ms per execution of queue / compute input / infer / output in a window."""
+    """Per model in a window: executions, inferences and queue / compute input / infer / output in ms per
+    execution as Triton accounts them: each request adds its execution's duration, so with b requests per
+    execution the value is b x one execution's duration (with one request per execution, the duration)."""
     out = {}
     for name, a in after.items():
         b = before.get(name, {})
@@ -136,6 +138,12 @@ def tokenizer_times(tok: TextTokenizer, checkpoint: Path, texts: dict) -> dict:
     return out
 
 
+def cpu_times() -> tuple[int, int]:
+    """(busy, total) jiffies of all cores so far, from /proc/stat."""
+    v = [int(x) for x in open("/proc/stat").readline().split()[1:]]
+    return sum(v) - v[3] - v[4], sum(v)  # idle and iowait are not busy
+
+
 def gpu_util(seconds_log):
     try:
         return subprocess.Popen(["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits",
@@ -153,14 +161,17 @@ def run_suite(name, url, model, data, out: Path, log, suite: str):
     stats = grpcclient.InferenceServerClient(url)
     for c in {"full": CONCURRENCY, "short": [128, 256], "sweep": [128, 256]}[suite]:
         mon = gpu_util(out / f"{name}_gpu_c{c}.txt") if c == 128 else None
-        before = model_stats(stats)
+        before, cpu0 = model_stats(stats), cpu_times()
         res["w3"][c] = perf_analyzer(url, model, data["w3"], out / f"{name}_w3_c{c}.csv",
                                      ["--concurrency-range", str(c)], log)
-        if mon:
-            mon.terminate()
-            mon.wait()
-            vals = [float(x) for x in open(out / f"{name}_gpu_c{c}.txt").read().split() if x.strip()]
-            res["gpu_util_c128"] = statistics.mean(vals) if vals else None
+        if c == 128:
+            if mon:
+                mon.terminate()
+                mon.wait()
+                vals = [float(x) for x in open(out / f"{name}_gpu_c{c}.txt").read().split() if x.strip()]
+                res["gpu_util_c128"] = statistics.mean(vals) if vals else None
+            busy, total = (b - a for a, b in zip(cpu0, cpu_times()))
+            res["cpu_util_c128"] = 100 * busy / total  # all cores, perf_analyzer included
             # perf_analyzer's warm-up and trials together; the split per execution is what matters
             res["w3_c128_per_model"] = stats_delta(before, model_stats(stats))
     if suite == "full":
@@ -271,11 +282,15 @@ def summary(results):
         return " / ".join(f"{m[k]['compute_infer']:.1f}" if k in m else "-" for k in MODELS)
 
     def serial(r):
-        """Per request, the time its model instance spent on it (in + infer + out per execution / batch), us,
-        and the mean batch: what caps one instance's throughput."""
+        """Per request, the time its model instance spent on it, us, and the mean batch b: what caps one instance's
+        throughput. stats_delta's values are b x an execution's duration (see there), so this is value / b^2."""
         m = r.get("w3_c128_per_model", {})
-        return " / ".join(f"{sum(m[k][x] for x in ('compute_input', 'compute_infer', 'compute_output')) * 1e3 * m[k]['executions'] / m[k]['inferences']:.0f}"
-                          f" (b{m[k]['inferences'] / m[k]['executions']:.0f})" if k in m else "-" for k in MODELS)
+
+        def one(k):
+            b = m[k]["inferences"] / m[k]["executions"]  # single-text requests: rows = requests
+            t = sum(m[k][x] for x in ("compute_input", "compute_infer", "compute_output"))
+            return f"{t * 1e3 / b / b:.0f} (b{b:.0f})"
+        return " / ".join(one(k) if k in m else "-" for k in MODELS)
     rows = [("w1 8x2048 p50 / p99 ms", lambda r: f"{f(r.get('w1'), 'p50_ms')} / {f(r.get('w1'), 'p99_ms')}"),
             ("w1 tokenizer / encoder infer ms", split),
             ("w2 1 query p50 / p99 ms", lambda r: f"{f(r['w2'], 'p50_ms')} / {f(r['w2'], 'p99_ms')}")]
@@ -283,7 +298,8 @@ def summary(results):
         rows.append((f"w3 c={c} req/s (p50 ms)", lambda r, c=c: f"{f(r['w3'].get(c), 'rps')} "
                                                                  f"({f(r['w3'].get(c), 'p50_ms')})"))
     rows.append(("w3 c=128 us/req tok / enc (batch)", serial))
-    rows.append(("GPU util at c=128 %", lambda r: f"{r.get('gpu_util_c128') or 0:.0f}"))
+    rows.append(("GPU / CPU util at c=128 %", lambda r: f"{r.get('gpu_util_c128') or 0:.0f} / "
+                                                        f"{r.get('cpu_util_c128') or 0:.0f}"))
     rows.append(("w4 @70% max: p50 / p99 ms", lambda r: f"{f(r.get('w4'), 'p50_ms')} / {f(r.get('w4'), 'p99_ms')}"))
     rows.append(("w4 max req/s, rate", lambda r: f"{f(r.get('w4'), 'max_rps')}, {(r.get('w4') or {}).get('rate', '-')}"))
     width = max(24, *(len(n) + 2 for n in results))
