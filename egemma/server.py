@@ -42,7 +42,7 @@ DEMO = ROOT / ".cache" / "demo-checkpoint"
 # and logs to files. Inference, health, metadata, config and statistics stay open.
 ADMIN_APIS = "model-repository,shared-memory,trace,logging"
 ADMIN_HEADER = "admin-key"
-# Without a GPU each encoder instance is a CPU forward of its own: fewer processes than cores serve faster.
+# Instance counts without a GPU (TritonServer): each encoder instance is a CPU forward of its own.
 CPU_INSTANCES = {"embeddinggemma_encoder": 1, "embeddinggemma_tokenizer": 2}
 
 
@@ -138,7 +138,9 @@ class TritonServer:
                  run_dir: Path | None = None, params: dict[str, str] | None = None, log_file=None,
                  extra_args=(), ready_timeout=600.0, repository: Path = REPO, admin_key: str | None = None,
                  exit_timeout_secs: int = 30, instances: dict[str, int] | None = None, stub_bin: str | None = None):
-        """stub_bin: the bin directory of the Python environment the stubs run (default $TRITON_STUB_PATH, else
+        """instances: {model: count} over the repository's counts (without a GPU, over CPU_INSTANCES first: the
+        repository's are for a GPU host, and on CPU each encoder instance is a forward competing for the cores).
+        stub_bin: the bin directory of the Python environment the stubs run (default $TRITON_STUB_PATH, else
         this interpreter's)."""
         self.host, self.http_port, self.grpc_port, self.metrics_port = host, http_port, grpc_port, metrics_port
         # No key given: a random one, so the admin APIs are never open by accident.
@@ -149,6 +151,8 @@ class TritonServer:
         tokenizer_json = self.run_dir / "tokenizer.json"
         tokenizer_json.write_text(resolved_tokenizer_json(checkpoint))
         params = {"tokenizer_json": str(tokenizer_json), **(params or {})}
+        if not os.path.exists("/dev/nvidiactl") and repository == REPO:
+            instances = {**CPU_INSTANCES, **(instances or {})}
         self.repo = render_repository(self.run_dir / "model_repository", checkpoint, params, repository,
                                       optional=("tokenizer_json",), instances=instances)
         binary, backends = find_tritonserver()
@@ -246,8 +250,6 @@ def main(argv=None):
     ckpt = resolve_checkpoint(a.model)
     params = dict(p.split("=", 1) for p in a.param)
     instances = {m: int(n) for m, n in (p.split("=", 1) for p in a.instances)}
-    if not os.path.exists("/dev/nvidiactl"):  # the repository's counts are for a GPU host; on CPU they contend
-        instances = {**CPU_INSTANCES, **instances}
     key = a.admin_key or secrets.token_urlsafe(16)
 
     def start():

@@ -500,7 +500,8 @@ def test_watchdog_restarts_the_server_when_an_encoder_stub_is_stopped(checkpoint
     ports = [free_port() for _ in range(3)]
     log = open(tmp_path / "tritonserver.log", "w")
     start = lambda: TritonServer(checkpoints["eos"], http_port=ports[0], grpc_port=ports[1],  # noqa: E731
-                                 metrics_port=ports[2], run_dir=tmp_path, log_file=log, ready_timeout=300)
+                                 metrics_port=ports[2], run_dir=tmp_path, log_file=log, ready_timeout=300,
+                                 instances={"embeddinggemma_encoder": 2})
     enc = None
     with log, Watchdog(start) as wd:
         try:
