@@ -1,6 +1,6 @@
 """Text -> token ids exactly as sentence-transformers tokenises for the same checkpoint, with two
-guarantees on top: every sequence is `BOS ... EOS` (missing specials are added, never doubled), and
-truncation to max_seq_length keeps EOS last."""
+guarantees on top: every sequence is `BOS ... EOS` (added here, also where the checkpoint's tokenizer omits
+EOS), and truncation to max_seq_length keeps EOS last."""
 from __future__ import annotations
 
 import json
@@ -24,6 +24,16 @@ def resolved_tokenizer_json(path) -> str:
     return AutoTokenizer.from_pretrained(str(path)).backend_tokenizer.to_str()
 
 
+def _splits_only(pre: dict | None) -> bool:
+    """Whether a pre-tokenizer only splits on literal spaces or "▁" (adds and drops no character)."""
+    if pre is None:
+        return True
+    if pre.get("type") == "Sequence":
+        return all(map(_splits_only, pre.get("pretokenizers", [])))
+    return pre.get("type") == "Split" and pre.get("pattern") in ({"String": " "}, {"String": "▁"}) \
+        and pre.get("behavior") != "Removed" and not pre.get("invert")
+
+
 class Chunker:
     """Cuts texts where the tokenizer's ids cannot change, so long texts tokenise as several pieces in parallel.
 
@@ -43,15 +53,17 @@ class Chunker:
         elif m.get("type") != "BPE" or m.get("dropout") or m.get("ignore_merges") or \
                 m.get("continuing_subword_prefix") or m.get("end_of_word_suffix"):
             self.why_not = "not a plain BPE model"
+        elif not _splits_only(d.get("pre_tokenizer")):  # e.g. ByteLevel / Metaspace add characters per piece
+            self.why_not = "a pre-tokenizer other than splits on ' ' / '▁'"
         added = d.get("added_tokens") or []
         if any(a.get("lstrip") or a.get("rstrip") or a.get("single_word") for a in added):
             self.why_not = "added tokens that strip or match whole words"
         vocab = m.get("vocab", {})
         self.glued = {" ", "▁"} | {c for t in vocab for c in re.findall("([^▁])▁", t)} | \
-            {c for a in added for c in re.findall("(.)[ ▁]", a["content"])}
-        # with byte fallback every character is >= 1 token; fused unknowns could span any length
-        self.longest = max(map(len, [*vocab, *(a["content"] for a in added)]), default=1) \
-            if m.get("byte_fallback") or not m.get("fuse_unk") else None
+            {c for a in added for c in re.findall("(.)[ ▁]", a["content"], re.S)}
+        # every character is >= 1 token unless unknowns are fused (byte fallback covers all bytes: none unknown)
+        no_unk = not m.get("fuse_unk") or (m.get("byte_fallback") and all(f"<0x{b:02X}>" in vocab for b in range(256)))
+        self.longest = max(map(len, [*vocab, *(a["content"] for a in added)]), default=1) if no_unk else None
         self.chunk_chars = chunk_chars
 
     def cut(self, text: str, pos: int) -> int:
@@ -140,7 +152,7 @@ class TextTokenizer:
         return len(self._ids([text], None)[0]) + 2
 
     def encode(self, texts: list[str]) -> list[np.ndarray]:
-        """int32 id arrays BOS ... EOS, at most max_seq_length long (EOS kept last). One batched call."""
+        """int32 id arrays BOS ... EOS, at most max_seq_length long (EOS kept last)."""
         n = self.max_length - 2
         return [np.asarray([self.cfg.bos_id, *ids[:n], self.cfg.eos_id], dtype=np.int32)
                 for ids in self._ids(texts, n)]

@@ -5,13 +5,15 @@ died, so readiness proves nothing. The watchdog instead checks, every `interval`
 the stub processes it started, then sends a canary inference (one short text through the ensemble, so every model
 is exercised). It restarts the server:
 - at once if the server exited, a stub died, or a stub is stopped (SIGSTOP; with several instances of a model
-  the canary would mostly be answered by the others, while the stopped one fails the requests it is given);
+  the canary would mostly be answered by the others, while the requests given to the stopped one wait);
 - at once if the canary timed out while the server and its stubs used almost no CPU (under a quarter of a core)
   and no request completed: a model is hung;
 - if canaries keep timing out while the processes are busy and no request completes (Triton's statistics API:
-  the canary model's success count) for more than `max_busy` seconds: a model is spinning. While requests
+  all models' success counts) for more than `max_busy` seconds: a model is spinning. While requests
   complete, or for less long, a timed-out canary is excused (a 64 x 2048-token batch takes ~25 s on two cores);
 - after `failures` other canary failures (an error, a refused connection) in a row.
+Not seen: one of several instances of a model hung or spinning while the others answer the canary (Triton's
+statistics do not tell instances apart); its requests wait until their clients time out.
 Restarting kills the server's process group (a graceful stop would wait out --exit-timeout-secs on the dead model)
 and starts it again on the same ports; requests in flight then fail, later ones succeed."""
 from __future__ import annotations
@@ -101,11 +103,12 @@ def canary(http_url: str, model: str = "embeddinggemma", timeout: float = 5.0) -
         return f"canary failed: {type(e).__name__}: {e}"
 
 
-def completed(http_url: str, model: str = "embeddinggemma", timeout: float = 1.0) -> int | None:
-    """Requests the model has answered successfully so far (Triton's statistics API), None if unknown."""
+def completed(http_url: str, timeout: float = 1.0) -> int | None:
+    """Requests all models have answered successfully so far (Triton's statistics API; direct calls of the
+    encoder count too), None if unknown."""
     try:
-        with urllib.request.urlopen(f"http://{http_url}/v2/models/{model}/stats", timeout=timeout) as r:
-            return int(json.load(r)["model_stats"][0]["inference_stats"]["success"]["count"])
+        with urllib.request.urlopen(f"http://{http_url}/v2/models/stats", timeout=timeout) as r:
+            return sum(int(m["inference_stats"]["success"]["count"]) for m in json.load(r)["model_stats"])
     except Exception:  # unreachable or malformed: no evidence of progress
         return None
 

@@ -94,8 +94,11 @@ def main():
                     checks["errors"].append(f"{time.strftime('%H:%M:%S')} {e}")
                     continue
                 checks["requests"] += 1
+                if got.shape != ref[idx].shape or not np.isfinite(got).all():
+                    checks["mismatches"].append(f"texts {idx}: shape {got.shape} or not finite")
+                    continue
                 cos = (got * ref[idx]).sum(-1) / np.linalg.norm(ref[idx], axis=-1)
-                if got.shape != ref[idx].shape or not np.isfinite(got).all() or cos.min() < MIN_COSINE:
+                if cos.min() < MIN_COSINE:
                     checks["mismatches"].append(f"texts {idx}: cosine {cos.min():.5f}")
                 checks["min_cosine"] = min(checks["min_cosine"], float(cos.min()))
 
@@ -129,6 +132,7 @@ def main():
                                     if r else "perf_analyzer FAILED (see perf_analyzer.log)")
                 + f"; checker {checks['requests']} ok, {len(checks['errors'])} errors, "
                   f"{len(checks['mismatches'])} mismatches; GPU {series[-1]['gpu_mib']} MiB")
+        checker_alive = threads[0].is_alive()  # it ends only when stopped: dead now means it crashed
         stop.set()
         for t in threads:
             t.join(60)
@@ -141,9 +145,11 @@ def main():
                "gpu_mib_max": max(x["gpu_mib"] for x in series),
                "gpu_flat": abs(end["gpu_mib"] - warm["gpu_mib"]) <= 0.02 * warm["gpu_mib"] if warm["gpu_mib"] > 0
                else None, "stub_rss_flat": stubs_flat,
-               "requests": end["inferences"] - warm["inferences"], "seconds": end["t"] - warm["t"]}
+               "texts": end["inferences"] - warm["inferences"], "seconds": end["t"] - warm["t"],
+               "checker_alive": checker_alive, "checked": checks["requests"]}
     verdict["passed"] = (not verdict["errors"] and not verdict["mismatches"] and not verdict["perf_analyzer_failures"]
-                         and verdict["gpu_flat"] is not False and stubs_flat)
+                         and verdict["gpu_flat"] is not False and stubs_flat and checker_alive
+                         and checks["requests"] >= a.seconds)  # the checker sends ~5 a second
     (a.out / "soak.json").write_text(json.dumps({"verdict": verdict, "checks": {
         **checks, "errors": checks["errors"][:50], "mismatches": checks["mismatches"][:50]},
         "runs": runs, "series": series}, indent=1))

@@ -83,9 +83,9 @@ def _stats(c):
     return int(s.get("inference_count", 0)), int(s.get("execution_count", 0))
 
 
-def ids_input(rows, seq_len=None):
+def ids_input(rows, seq_len=None, pad=0):
     L = max(len(r) for r in rows)
-    ids = np.zeros((len(rows), L), dtype=np.int32)
+    ids = np.full((len(rows), L), pad, dtype=np.int32)
     for j, r in enumerate(rows):
         ids[j, :len(r)] = r
     i = grpcclient.InferInput("INPUT_IDS", list(ids.shape), "INT32")
@@ -107,13 +107,15 @@ def test_encoder_takes_token_ids_directly_and_bad_requests_fail_alone(server, ch
     jobs = [("embeddinggemma_encoder", ids_input(rows)),
             ("embeddinggemma_encoder", ids_input([[2, 99999, 1]])),  # outside the vocabulary
             ("embeddinggemma_encoder", ids_input([rows[1]], seq_len=False)),  # no SEQ_LEN: full rows
-            ("embeddinggemma_encoder", ids_input([rows[2]])), ]
-    (good, e0), (_, bad), (nolen, e2), (one, e3) = fire_concurrently(c, jobs)
-    assert e0 is None and e2 is None and e3 is None
+            ("embeddinggemma_encoder", ids_input([rows[2]])),
+            ("embeddinggemma_encoder", ids_input(rows, pad=-7)), ]  # padding past SEQ_LEN is never read
+    (good, e0), (_, bad), (nolen, e2), (one, e3), (padded, e4) = fire_concurrently(c, jobs)
+    assert e0 is None and e2 is None and e3 is None and e4 is None
     assert bad is not None and "vocabulary" in str(bad)
     assert_matches(good.as_numpy("EMBEDDING"), ref)
     assert_matches(nolen.as_numpy("EMBEDDING"), ref[1:2])
     assert_matches(one.as_numpy("EMBEDDING"), ref[2:3])
+    assert_matches(padded.as_numpy("EMBEDDING"), ref)
 
 
 def test_invalid_utf8_is_a_clean_error(server):

@@ -56,12 +56,13 @@ def test_resolved_tokenizer_file_gives_the_same_ids(checkpoints, variant, tmp_pa
 def glued_bpe() -> str:
     """A Gemma-like BPE (spaces normalised to "▁", which the " " split then never sees) trained without word
     boundaries, so merges glue characters across "▁": the case Chunker must respect."""
-    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
+    from tokenizers import AddedToken, Tokenizer, models, normalizers, pre_tokenizers, trainers
     tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
     tok.normalizer = normalizers.Replace(" ", "▁")
     tok.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
     corpus = ["<b> </b> a> </p>", "the cat sat", "x y x y x y", "ab  cd\t ef\nab"] * 50
     tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>"]))
+    tok.add_tokens([AddedToken("\n x", normalized=False)])  # glues "\n" to the space after it
     return tok.to_str()
 
 
@@ -79,14 +80,29 @@ def test_pieces_give_the_same_ids(checkpoints, source):
     chunker, tok = Chunker(raw, chunk_chars=8), Tokenizer.from_str(raw)
     assert chunker.why_not is None
     if source == "glued":
-        assert ">" in chunker.glued and "é" not in chunker.glued  # merged with a following "▁" / never seen
+        assert {">", "\n"} <= chunker.glued and "é" not in chunker.glued  # merges, the added token / never
     rng = random.Random(0)
     texts = EDGE + make_texts(30, 300) + ["<b> </b>  a> </p>", "x y  x y", "> </", ">  ", "  >", " " * 40]
-    texts += ["".join(rng.choice(ODD) for _ in range(rng.randint(0, 80))) for _ in range(2000)]
+    texts += ["".join(rng.choice(ODD) for _ in range(rng.randint(0, 200))) for _ in range(2000)]
     for t in texts:
         want = tok.encode(t, add_special_tokens=False).ids
         got = [i for p in chunker.pieces(t) for i in tok.encode(p, add_special_tokens=False).ids]
         assert got == want, t
         assert "".join(chunker.pieces(t)) == t
-        short = [i for p in chunker.pieces(t, 5) for i in tok.encode(p, add_special_tokens=False).ids]
-        assert short[:5] == want[:5], t
+        for n in (2, 5):
+            short = [i for p in chunker.pieces(t, n) for i in tok.encode(p, add_special_tokens=False).ids]
+            assert short[:n] == want[:n], t
+
+
+def test_chunker_refuses_what_it_cannot_prove():
+    """A pre-tokenizer that adds characters (ByteLevel's prefix space) or unknowns that fuse over any length
+    turn cutting, or its truncation bound, off."""
+    import json
+    from egemma.tokenizer import Chunker
+    d = json.loads(glued_bpe())
+    assert Chunker(json.dumps(d)).longest is not None
+    d["pre_tokenizer"] = {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True}
+    assert "pre-tokenizer" in Chunker(json.dumps(d)).why_not
+    d = json.loads(glued_bpe())
+    d["model"]["fuse_unk"], d["model"]["byte_fallback"] = True, False
+    assert Chunker(json.dumps(d)).longest is None

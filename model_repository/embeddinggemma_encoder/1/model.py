@@ -46,17 +46,21 @@ class TritonPythonModel:
                               f"{self.engine.cfg.max_positions} positions")
         return [ids[j, :n] for j, n in enumerate(lens.tolist())]
 
-    def _vocab_errors(self, spans) -> dict[int, str]:
-        """{request index: why} for requests with ids outside the vocabulary. One check over the whole batch;
-        only a batch that fails it is checked request by request (~5 us per request saved)."""
-        seqs = [r for *_, rows in spans for r in rows]
+    def _vocab_errors(self, parsed) -> dict[int, str]:
+        """{request index: why} for requests with ids outside the vocabulary (padding past SEQ_LEN is never
+        embedded, so never checked). One check over the whole batch; only a batch that fails it is checked
+        request by request (~5 us per request saved)."""
+        seqs = [r for *_, rows in parsed for r in rows]
         if not seqs:
             return {}
         flat = np.concatenate(seqs)
         if 0 <= flat.min() and flat.max() < self.engine.cfg.vocab_size:
             return {}
-        return {i: why for i, _, rows in spans
-                if rows and (why := self.engine.check(np.concatenate(rows), max(len(r) for r in rows)))}
+        bad = {}
+        for i, _, rows in parsed:
+            if rows and (why := self.engine.check(np.concatenate(rows), max(len(r) for r in rows))):
+                bad[i] = why
+        return bad
 
     def execute(self, requests):
         parsed, responses = [], [None] * len(requests)
@@ -70,11 +74,16 @@ class TritonPythonModel:
             except Exception as e:  # a bug must cost this request only, never the batch
                 logging.getLogger("egemma").exception("bad request")
                 responses[i] = pb_utils.InferenceResponse(error=pb_utils.TritonError(f"internal error: {e}"))
-        bad = self._vocab_errors(parsed)
+        try:
+            bad = {i: _invalid(why) for i, why in self._vocab_errors(parsed).items()}
+        except Exception as e:  # unchecked ids must not reach the GPU: fail these requests, not the stub
+            logging.getLogger("egemma").exception("vocabulary check")
+            bad = {i: pb_utils.InferenceResponse(error=pb_utils.TritonError(f"internal error: {e}"))
+                   for i, *_ in parsed}
         seqs, spans = [], []
         for i, opts, rows in parsed:
             if i in bad:
-                responses[i] = _invalid(bad[i])
+                responses[i] = bad[i]
                 continue
             spans.append((i, len(seqs), len(seqs) + len(rows), opts))
             seqs.extend(rows)
