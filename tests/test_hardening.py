@@ -492,8 +492,8 @@ def _gone(pid):
 
 
 def test_watchdog_restarts_the_server_when_an_encoder_stub_is_stopped(checkpoints, tmp_path, good_ref):
-    """SIGSTOP one encoder stub while all of them compute (the others would answer the canary, and Triton fails
-    the requests given to the stopped one): the watchdog notices within 10 s, the requests in flight end (an
+    """SIGSTOP one of two encoder stubs under load (the other would answer the canary, and
+    the requests given to the stopped one wait): the watchdog notices within 10 s, the requests in flight end (an
     answer or a clean error, no hang), and the service is back within 30 s."""
     from egemma.server import TritonServer, free_port
     from egemma.watchdog import Watchdog, stub_pids
@@ -561,9 +561,9 @@ def _stuck_model(checkpoints, tmp_path, text, **watchdog_args):
 
 def test_watchdog_restarts_a_model_hung_without_cpu(checkpoints, tmp_path):
     """A model blocked forever without using CPU: the first canary that times out is enough (default interval
-    2 s, timeout 5 s: noticed within 7 s and a little)."""
+    2 s, timeout 5 s: noticed within ~7 s; asserted within the 10 s the issue allows)."""
     noticed, why, _ = _stuck_model(checkpoints, tmp_path, "hang")
-    assert noticed < 8 and "hung" in why, (noticed, why)
+    assert noticed < 10 and "hung" in why, (noticed, why)
 
 
 def test_watchdog_restarts_a_spinning_model(checkpoints, tmp_path):
