@@ -46,6 +46,11 @@ ADMIN_HEADER = "admin-key"
 CPU_INSTANCES = {"embeddinggemma_encoder": 1, "embeddinggemma_tokenizer": 2}
 
 
+def gpu_host() -> bool:
+    """Whether this machine has an NVIDIA GPU (without importing torch)."""
+    return os.path.exists("/dev/nvidiactl")
+
+
 def find_tritonserver() -> tuple[Path, Path]:
     """(tritonserver binary, backend directory): $TRITON_SERVER_DIR, a `tritonserver` on PATH, or the one in
     the nvidia-pytriton wheel (with the Python backend stub for this interpreter copied in place)."""
@@ -151,7 +156,7 @@ class TritonServer:
         tokenizer_json = self.run_dir / "tokenizer.json"
         tokenizer_json.write_text(resolved_tokenizer_json(checkpoint))
         params = {"tokenizer_json": str(tokenizer_json), **(params or {})}
-        if not os.path.exists("/dev/nvidiactl") and repository == REPO:
+        if not gpu_host() and repository == REPO:
             instances = {**CPU_INSTANCES, **(instances or {})}
         self.repo = render_repository(self.run_dir / "model_repository", checkpoint, params, repository,
                                       optional=("tokenizer_json",), instances=instances)

@@ -67,6 +67,15 @@ def stopped(pid: int) -> bool:
         return False
 
 
+def rss_kb(pid: int) -> int:
+    """Resident memory of pid in kB, -1 if it is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+    except OSError:
+        return -1
+
+
 def cpu_seconds(pid: int) -> float:
     """CPU time used so far by pid and its children (the stubs)."""
     total = 0

@@ -5,7 +5,7 @@ serves sentence-transformers bf16 behind the same Triton (perf/baseline_reposito
                             [--sweep MODEL=N,MODEL=N ...]
 
 Workloads (gRPC, text built from real English prose, token counts measured with the checkpoint's tokenizer):
-  w1  one request of 8 texts x ~2048 tokens, sequential       (python client, p50/p99)
+  w1  one request of 8 texts x ~2048 tokens, sequential       (perf_analyzer -b 8)
   w2  one ~16-token query, concurrency 1                       (perf_analyzer)
   w3  single ~20-token texts, concurrency 1 .. 256             (perf_analyzer; throughput, latency)
   w4  80% queries of 10-40 tokens, 20% passages of 200-600, Poisson arrivals at 70% of the max rate
@@ -153,8 +153,8 @@ def gpu_util(seconds_log):
 
 
 def run_suite(name, url, model, data, out: Path, log, suite: str):
-    """suite: full (all workloads), short (w1, w2, w3 at c=128/256), sweep (w2, w3 at c=128/256)."""
-    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", name)  # for file names
+    """suite: full (all workloads), short (w1, w2, w3 at c=128/256), sweep (w2, w3 at c=128/256).
+    name: a file-name-safe tag for the CSV files."""
     res = {"w1": w1(url, model, data["w1"], out, name, log)} if suite != "sweep" else {}
     res["w2"] = perf_analyzer(url, model, data["w2"], out / f"{name}_w2.csv", ["--concurrency-range", "1"], log)
     res["w3"] = {}
@@ -247,7 +247,7 @@ def main():
     # (name, repository, model, suite, instance counts, stub Python: None = the default numpy<2 one)
     suites = [("ours", ours, "embeddinggemma", a.suite, None, None)]
     for v in a.sweep:  # named like "ours tok6 enc3"
-        counts = dict(kv.split("=") for kv in v.split(","))
+        counts = {m: int(n) for m, n in (kv.split("=") for kv in v.split(","))}
         suites.append(("ours " + " ".join(f"{m.rsplit('_', 1)[-1][:3]}{n}" for m, n in counts.items()), ours,
                        "embeddinggemma", "sweep", counts, None))
     if not a.skip_baseline:  # sentence-transformers needs the host's numpy 2: its stub runs this Python
@@ -255,14 +255,14 @@ def main():
                        str(Path(sys.executable).parent)))
     for name, repo, model, suite, instances, stub_bin in suites:
         t0 = time.perf_counter()
+        tag = re.sub(r"[^A-Za-z0-9_.-]+", "_", name)  # for file names
         try:
-            with open(a.out / f"server_{re.sub(r'[^A-Za-z0-9_.-]+', '_', name)}.log", "w") as slog, \
+            with open(a.out / f"server_{tag}.log", "w") as slog, \
                     TritonServer(a.checkpoint, http_port=free_port(), grpc_port=free_port(),
-                                 metrics_port=free_port(), log_file=slog, repository=repo,
-                                 instances={k: int(n) for k, n in (instances or {}).items()},
+                                 metrics_port=free_port(), log_file=slog, repository=repo, instances=instances,
                                  stub_bin=stub_bin) as s:
                 print(f"{name}: server ready in {time.perf_counter() - t0:.1f}s", flush=True)
-                results[name] = run_suite(name, s.grpc_url, model, data[stub_bin is not None], a.out, log, suite)
+                results[name] = run_suite(tag, s.grpc_url, model, data[stub_bin is not None], a.out, log, suite)
         except RuntimeError as e:
             errors = [ln for ln in open(slog.name) if ln.startswith("E")]
             print(f"{name}: server failed: {e}\n{''.join(errors)[:1500]}", flush=True)

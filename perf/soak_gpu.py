@@ -27,7 +27,7 @@ from bench_serve import make_text, model_stats, pa_data, perf_analyzer, prose  #
 from egemma.config import ModelConfig  # noqa: E402
 from egemma.server import TritonServer, free_port  # noqa: E402
 from egemma.tokenizer import TextTokenizer  # noqa: E402
-from egemma.watchdog import stub_pids  # noqa: E402
+from egemma.watchdog import rss_kb, stub_pids  # noqa: E402
 
 MODEL = "embeddinggemma"
 MIN_COSINE = 0.999
@@ -41,14 +41,6 @@ def gpu_mem_mib() -> int:
     except OSError:
         return -1
     return int(r.stdout.split()[0]) if r.returncode == 0 and r.stdout.strip() else -1
-
-
-def rss_mib(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            return next(int(line.split()[1]) >> 10 for line in f if line.startswith("VmRSS:"))
-    except OSError:
-        return -1
 
 
 def main():
@@ -107,8 +99,8 @@ def main():
             while True:
                 st = model_stats(client)
                 series.append({"t": round(time.monotonic() - t0, 1), "gpu_mib": gpu_mem_mib(),
-                               "server_rss_mib": rss_mib(s.proc.pid),
-                               "stub_rss_mib": {f"{Path(m).parent.parent.name}:{p}": rss_mib(p)
+                               "server_rss_mib": rss_kb(s.proc.pid) >> 10,
+                               "stub_rss_mib": {f"{Path(m).parent.parent.name}:{p}": rss_kb(p) >> 10
                                                 for p, m in stub_pids(s.proc.pid).items()},
                                "inferences": st.get(MODEL, {}).get("inferences", 0)})
                 if stop.wait(10):

@@ -388,7 +388,7 @@ def test_launcher_watchdog_restores_service_after_the_encoder_dies(checkpoints, 
     """`python -m egemma.server` (watchdog on by default): loopback-only sockets, admin key required; SIGKILL the
     encoder's stub; requests in flight fail cleanly, the watchdog notices within 10 s, the service is back within
     30 s with correct results, and SIGTERM ends launcher and server."""
-    from egemma.server import CPU_INSTANCES, free_port
+    from egemma.server import CPU_INSTANCES, free_port, gpu_host
     from egemma.watchdog import stub_pids
     ports = [free_port() for _ in range(4)]
     out, err = open(tmp_path / "stdout", "w"), open(tmp_path / "stderr", "w")
@@ -426,7 +426,7 @@ def test_launcher_watchdog_restores_service_after_the_encoder_dies(checkpoints, 
                           callback=lambda result, error, k=k: inflight.put((k, result, error)))
         _wait_for(lambda: _count(c, "embeddinggemma_tokenizer") >= n0 + 8, 60, "requests to reach the encoder")
         encoders = [p for p, model in stub_pids(pid).items() if "embeddinggemma_encoder" in model]
-        if not os.path.exists("/dev/nvidiactl"):  # the launcher's CPU instance counts, not the repository's
+        if not gpu_host():  # the launcher's CPU instance counts, not the repository's
             assert len(encoders) == CPU_INSTANCES["embeddinggemma_encoder"], encoders
         enc = min(encoders)
         os.kill(enc, signal.SIGKILL)

@@ -11,6 +11,7 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 
 from conftest import make_texts, reference
+from egemma.watchdog import rss_kb, stub_pids
 
 SECONDS = float(os.environ.get("EGEMMA_SOAK_SECONDS", "120"))
 WARMUP = min(max(10.0, 0.2 * SECONDS), SECONDS / 2)
@@ -20,14 +21,8 @@ BATCHES = (1, 1, 1, 2, 4, 8, 16)
 TOL = 1e-5
 
 
-def rss_kb(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
-
-
 def stubs(server) -> dict[int, int]:
     """{stub pid: RSS kB} for the server's Python backend stubs."""
-    from egemma.watchdog import stub_pids
     return {p: rss_kb(p) for p in stub_pids(server.proc.pid)}
 
 
