@@ -2,15 +2,15 @@
 serves sentence-transformers bf16 behind the same Triton (perf/baseline_repository).
 
   python perf/bench_serve.py CHECKPOINT --out DIR [--skip-baseline] [--suite full|short|sweep]
-                            [--sweep MODEL=N,MODEL=N ...]
+                            [--sweep MODEL=N,MODEL=N ...] [--floor]
 
 Workloads (gRPC, text built from real English prose, token counts measured with the checkpoint's tokenizer):
   w1  one request of 8 texts x ~2048 tokens, sequential       (perf_analyzer -b 8)
   w2  one ~16-token query, concurrency 1                       (perf_analyzer)
   w3  single ~20-token texts, concurrency 1 .. 256             (perf_analyzer; throughput, latency)
   w4  80% queries of 10-40 tokens, 20% passages of 200-600, Poisson arrivals at 70% of the max rate
-Each --sweep variant (instance counts) runs w2 and w3 at c=128/256 on its own server after the full suite
-on the repository's defaults. Per-model split (Triton's statistics) for w1 and w3 at c=128.
+Each --sweep variant (instance counts), and with --floor the repository with do-nothing models, runs w1, w2 and
+w3 at c=128/256 on its own server after the suite on the repository's defaults. Per-model split (Triton's statistics) for w1 and w3 at c=128.
 Writes CSV per perf_analyzer run, results.json, throughput/latency PNG, and prints a summary table."""
 import argparse
 import csv
@@ -18,10 +18,12 @@ import glob
 import json
 import random
 import re
+import shutil
 import statistics
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -111,13 +113,32 @@ def pa_data(texts: list[str], utf8: bool) -> dict:
     return {"data": [{"TEXT": [t]} for t in texts]}
 
 
-def w1(url, model, data, out: Path, name, log):
-    """One request of the 8 long texts at a time (perf_analyzer -b 8), with Triton's per-model split."""
+def counters(metrics_url) -> dict[str, float]:
+    """The egemma_* counters on Triton's metrics endpoint, summed over instances (none for other models)."""
+    out = {}
+    with urllib.request.urlopen(f"http://{metrics_url}/metrics", timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith("egemma_"):
+                name, value = line.split("{")[0].split()[0], float(line.rsplit(None, 1)[1])
+                out[name] = out.get(name, 0.0) + value
+    return out
+
+
+def w1(url, metrics_url, model, data, out: Path, name, log):
+    """One request of the 8 long texts at a time (perf_analyzer -b 8), with Triton's per-model split and the
+    tokenizer model's own time in execute (its counters: what Triton's compute adds around it is the stub's)."""
     c = grpcclient.InferenceServerClient(url)
-    before = model_stats(c)
+    before, cb = model_stats(c), counters(metrics_url)
     res = perf_analyzer(url, model, data, out / f"{name}_w1.csv", ["-b", "8", "--concurrency-range", "1"], log,
                         window_ms=4000)
-    return res and {**res, "per_model_ms_per_execution": stats_delta(before, model_stats(c))}
+    if not res:
+        return None
+    ca = counters(metrics_url)
+    texts = ca.get("egemma_texts_total", 0) - cb.get("egemma_texts_total", 0)
+    if texts:  # both counters flush together, so their ratio is exact even with a flush pending
+        secs = ca["egemma_tokenizer_seconds_total"] - cb.get("egemma_tokenizer_seconds_total", 0)
+        res["tokenizer_execute_ms"] = 8e3 * secs / texts
+    return {**res, "per_model_ms_per_execution": stats_delta(before, model_stats(c))}
 
 
 def tokenizer_times(tok: TextTokenizer, checkpoint: Path, texts: dict) -> dict:
@@ -127,14 +148,19 @@ def tokenizer_times(tok: TextTokenizer, checkpoint: Path, texts: dict) -> dict:
     plain = Tokenizer.from_str(resolved_tokenizer_json(checkpoint))
     plain.enable_truncation(tok.max_length)
     out = {}
-    for label, batch in (("8x2048", texts["w1"]), ("256x20", texts["w3"]), ("1x16", texts["w2"][:1])):
-        for name, f in (("ours", tok.encode), ("plain", plain.encode_batch_fast)):
-            ts = []
-            for _ in range(22):
-                t0 = time.perf_counter()
-                f(batch)
-                ts.append((time.perf_counter() - t0) * 1e3)
-            out[f"{label} {name}"] = round(statistics.median(ts[2:]), 3)
+    runs = [(label, batch, name, f, 0.0) for label, batch in
+            (("8x2048", texts["w1"]), ("256x20", texts["w3"]), ("1x16", texts["w2"][:1]))
+            for name, f in (("ours", tok.encode), ("plain", plain.encode_batch_fast))]
+    # as in w1, where the tokenizer waits ~15 ms for the encoder between requests: is it slower from cold?
+    runs.append(("8x2048", texts["w1"], "ours 20 ms apart", tok.encode, 0.02))
+    for label, batch, name, f, gap in runs:
+        ts = []
+        for _ in range(22):
+            time.sleep(gap)
+            t0 = time.perf_counter()
+            f(batch)
+            ts.append((time.perf_counter() - t0) * 1e3)
+        out[f"{label} {name}"] = round(statistics.median(ts[2:]), 3)
     return out
 
 
@@ -152,10 +178,10 @@ def gpu_util(seconds_log):
         return None
 
 
-def run_suite(name, url, model, data, out: Path, log, suite: str):
+def run_suite(name, url, metrics_url, model, data, out: Path, log, suite: str):
     """suite: full (all workloads), short (w1, w2, w3 at c=128/256), sweep (w2, w3 at c=128/256).
     name: a file-name-safe tag for the CSV files."""
-    res = {"w1": w1(url, model, data["w1"], out, name, log)} if suite != "sweep" else {}
+    res = {"w1": w1(url, metrics_url, model, data["w1"], out, name, log)} if suite != "sweep" else {}
     res["w2"] = perf_analyzer(url, model, data["w2"], out / f"{name}_w2.csv", ["--concurrency-range", "1"], log)
     res["w3"] = {}
     stats = grpcclient.InferenceServerClient(url)
@@ -184,6 +210,16 @@ def run_suite(name, url, model, data, out: Path, log, suite: str):
                 res["w4"]["rate"] = rate
                 res["w4"]["max_rps"] = peak["rps"]
     return res
+
+
+def floor_repository(dest: Path) -> Path:
+    """model_repository (same configs, instance counts, ensemble) with both Python models replaced by
+    perf/floor_model.py."""
+    shutil.rmtree(dest, ignore_errors=True)
+    shutil.copytree(ROOT / "model_repository", dest, ignore=shutil.ignore_patterns("__pycache__"))
+    for model in MODELS:
+        shutil.copy(ROOT / "perf" / "floor_model.py", dest / model / "1" / "model.py")
+    return dest
 
 
 def plot(results, out: Path):
@@ -222,6 +258,9 @@ def main():
     ap.add_argument("--suite", choices=("full", "short", "sweep"), default="full", help="workloads for ours")
     ap.add_argument("--sweep", nargs="*", default=[], metavar="MODEL=N,MODEL=N",
                     help="instance-count variants, e.g. embeddinggemma_encoder=2,embeddinggemma_tokenizer=6")
+    ap.add_argument("--floor", action="store_true",
+                    help="also serve the repository with both models doing nothing (perf/floor_model.py): what "
+                         "Triton, the ensemble and the Python backend cost on this host")
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     tok = TextTokenizer(ModelConfig.load(a.checkpoint))
@@ -249,7 +288,9 @@ def main():
     for v in a.sweep:  # named like "ours tok6 enc3"
         counts = {m: int(n) for m, n in (kv.split("=") for kv in v.split(","))}
         suites.append(("ours " + " ".join(f"{m.rsplit('_', 1)[-1][:3]}{n}" for m, n in counts.items()), ours,
-                       "embeddinggemma", "sweep", counts, None))
+                       "embeddinggemma", "short", counts, None))
+    if a.floor:
+        suites.append(("floor", floor_repository(a.out / "floor_repository"), "embeddinggemma", "short", None, None))
     if not a.skip_baseline:  # sentence-transformers needs the host's numpy 2: its stub runs this Python
         suites.append(("st_bf16", ROOT / "perf" / "baseline_repository", "st_bf16", "short", None,
                        str(Path(sys.executable).parent)))
@@ -262,7 +303,8 @@ def main():
                                  metrics_port=free_port(), log_file=slog, repository=repo, instances=instances,
                                  stub_bin=stub_bin) as s:
                 print(f"{name}: server ready in {time.perf_counter() - t0:.1f}s", flush=True)
-                results[name] = run_suite(tag, s.grpc_url, model, data[stub_bin is not None], a.out, log, suite)
+                results[name] = run_suite(tag, s.grpc_url, f"{s.host}:{s.metrics_port}", model,
+                                          data[stub_bin is not None], a.out, log, suite)
         except RuntimeError as e:
             errors = [ln for ln in open(slog.name) if ln.startswith("E")]
             print(f"{name}: server failed: {e}\n{''.join(errors)[:1500]}", flush=True)
@@ -293,6 +335,7 @@ def summary(results):
         return " / ".join(one(k) if k in m else "-" for k in MODELS)
     rows = [("w1 8x2048 p50 / p99 ms", lambda r: f"{f(r.get('w1'), 'p50_ms')} / {f(r.get('w1'), 'p99_ms')}"),
             ("w1 tokenizer / encoder infer ms", split),
+            ("w1 tokenizer execute ms", lambda r: f((r.get("w1") or {}), "tokenizer_execute_ms")),
             ("w2 1 query p50 / p99 ms", lambda r: f"{f(r['w2'], 'p50_ms')} / {f(r['w2'], 'p99_ms')}")]
     for c in CONCURRENCY:
         rows.append((f"w3 c={c} req/s (p50 ms)", lambda r, c=c: f"{f(r['w3'].get(c), 'rps')} "

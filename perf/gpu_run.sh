@@ -7,7 +7,8 @@
 #   engine               GPU tests, profile, engine benchmark
 #   serve                serving benchmark (perf/bench_serve.py) incl. the sentence-transformers baseline and
 #                        the instance-count sweep in $EGEMMA_SWEEP (space-separated MODEL=N,MODEL=N variants);
-#                        $EGEMMA_BENCH_ARGS go to bench_serve.py (e.g. "--suite short --skip-baseline")
+#                        $EGEMMA_BENCH_ARGS go to bench_serve.py (e.g. "--suite short --skip-baseline --floor");
+#                        EGEMMA_MPS=1 runs it with the CUDA MPS daemon
 #   soak-start[=SECS]    start perf/soak_gpu.py (30 s warm-up + 870 s) detached, so it outlives this call
 #   soak-wait            wait (up to ~9 min) for the soak to end; its results go to $OUT either way
 # Full logs and JSON go to $OUT. Needs .gpu/activate.sh and the archives named in perf/RESULTS.md.
@@ -33,7 +34,7 @@ fi
 for step in "$@"; do
   echo "== $step $(date -u +%T)"
   case "$step" in
-    deps) ;;
+    deps) lscpu | grep -E "^(Model name|CPU\(s\)|Thread|Core|Socket)"; command -v nvidia-cuda-mps-control ;;
     engine)
       EGEMMA_FULL_CHECKPOINT="$FULL" python3 -m pytest -q -rs -p no:cacheprovider tests/test_kernels.py tests/test_gpu.py \
         2>&1 | tee "$OUT/gpu_tests.log" | tail -n 25
@@ -41,9 +42,13 @@ for step in "$@"; do
       python3 perf/bench_engine.py "$FULL" --out "$OUT/bench_engine.json" 2>&1 | tee "$OUT/bench_engine.log" \
         | grep -v "^\s*$" | tail -n 12 ;;
     serve)
+      # EGEMMA_MPS=1: the encoder processes share the GPU through CUDA MPS (a user daemon; the GPU's settings
+      # are untouched) instead of time-slicing it; the daemon is stopped again after the benchmark.
+      [ -n "${EGEMMA_MPS:-}" ] && { nvidia-cuda-mps-control -d && echo "MPS daemon started" || echo "no MPS"; }
       # shellcheck disable=SC2086  # the sweep variants are meant to split on spaces
       python3 perf/bench_serve.py "$FULL" --out /tmp/serve ${EGEMMA_BENCH_ARGS:-} --sweep ${EGEMMA_SWEEP:-} 2>&1 | tee "$OUT/bench_serve.log" \
         | grep -v "^\[transformers\]" | tail -n 40
+      [ -n "${EGEMMA_MPS:-}" ] && echo quit | nvidia-cuda-mps-control
       cp /tmp/serve/results.json /tmp/serve/serve_w3.png "$OUT/" 2>/dev/null
       tar czf "$OUT/serve.tgz" -C /tmp/serve . ;;
     soak-start*)
