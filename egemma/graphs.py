@@ -38,9 +38,9 @@ class GraphRunner:
         self.classes = sorted({min(c, e.cfg.max_positions) for c in SEQ_CLASSES} | {e.cfg.max_positions})
         T, S = self.buckets[-1], e.ec.max_seqs
         # All per-batch metadata in one int64 buffer, so a batch costs one host->device copy:
-        # [ids (t) | pos (t) | seq_idx (t) | cu_seqlens (slots + 2)], laid out per bucket t.
-        self.meta = torch.zeros(3 * T + S + 2, dtype=torch.int64, device=dev)
-        self.staging = torch.zeros(3 * T + S + 2, dtype=torch.int64, pin_memory=True)
+        # [ids (t) | pos (t) | cu_seqlens (slots + 2)], laid out per bucket t.
+        self.meta = torch.zeros(2 * T + S + 2, dtype=torch.int64, device=dev)
+        self.staging = torch.zeros(2 * T + S + 2, dtype=torch.int64, pin_memory=True)
         self.keys = [(t, m) for t in self.buckets for m in sorted({min(m, t) for m in self.classes})]
         cands = [b for b in e.attn_candidates if b != "native"]  # native attention syncs: not capturable
         self.capture = capture and bool(cands)
@@ -77,29 +77,25 @@ class GraphRunner:
     def _forward(self, key: tuple[int, int]) -> torch.Tensor:
         t, m = key
         n = self.slots(t)
-        cu = self.meta[3 * t:3 * t + n + 2]
-        lengths = (cu[1:n + 1] - cu[:n]).float().clamp(min=1)  # empty slots: 1, their sum is 0 anyway
-        b = Packed(self.meta[:t], self.meta[t:2 * t], cu.int(), m, self.meta[2 * t:3 * t], lengths)
+        b = Packed(self.meta[:t], self.meta[t:2 * t], self.meta[2 * t:2 * t + n + 2].int(), m)
         a = self.attn[key]
         x = self.e.model.forward(b, self.e.ops, (attention_fn(a[0]), attention_fn(a[1])))
-        return self.e.model.pool(x, b.seq_idx, b.lengths)
+        return self.e.model.pool(x, b.cu_seqlens, n, self.e.ops)
 
     def _fill(self, t: int, ids: np.ndarray, lengths: list[int]):
         n, B, T = self.slots(t), len(lengths), ids.size
         lens = np.asarray(lengths, dtype=np.int64)
         buf = self.staging.numpy()
-        ids_, pos, seq_idx, cu = buf[:t], buf[t:2 * t], buf[2 * t:3 * t], buf[3 * t:3 * t + n + 2]
+        ids_, pos, cu = buf[:t], buf[t:2 * t], buf[2 * t:2 * t + n + 2]
         ids_[:T] = ids
         ids_[T:] = self.e.cfg.pad_id
         cu[0] = 0
         np.cumsum(lens, out=cu[1:B + 1])
         cu[B + 1:] = T
-        cu[-1] = t  # the padding tokens [T, t) are one more sequence ...
-        seq_idx[:T] = np.repeat(np.arange(B), lens)
-        seq_idx[T:] = n  # ... whose tokens pooling skips (seq_idx >= slots)
+        cu[-1] = t  # the padding tokens [T, t) are one more sequence, which pooling skips (past the slots)
         pos[:T] = np.arange(T) - np.repeat(cu[:B], lens)
         pos[T:] = 0
-        size = 3 * t + n + 2
+        size = 2 * t + n + 2
         self.meta[:size].copy_(self.staging[:size], non_blocking=True)
 
     def _fill_dummy(self, key: tuple[int, int]):
@@ -130,7 +126,7 @@ class GraphRunner:
         c, dev, dt = self.e.cfg, self.e.device, self.e.model.dtype
         t, m = key
         self._fill_dummy(key)
-        cu = self.meta[3 * t:3 * t + self.slots(t) + 2].int()
+        cu = self.meta[2 * t:2 * t + self.slots(t) + 2].int()
         # q / k / v exactly as the forward makes them (v stays a strided view of the qkv GEMM output):
         # timed on other layouts, the ranking came out differently than inside the graphs.
         qkv = torch.randn(t, (c.heads + 2 * c.kv_heads) * c.head_dim, device=dev, dtype=dt)

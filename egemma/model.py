@@ -22,20 +22,16 @@ class Packed:
     """Varlen batch metadata, built once per forward and read by every layer."""
     ids: torch.Tensor  # [T] int64
     pos: torch.Tensor  # [T] int64, position inside its own sequence
-    cu_seqlens: torch.Tensor  # [B + 1] int32
+    cu_seqlens: torch.Tensor  # [B + 1] int32 (CUDA graphs: more entries, see egemma.graphs)
     max_seqlen: int
-    seq_idx: torch.Tensor  # [T] int64, which sequence each token belongs to
-    lengths: torch.Tensor  # [B] fp32
 
     @classmethod
     def from_lengths(cls, ids: torch.Tensor, lengths: list[int], device) -> "Packed":
         lens = torch.tensor(lengths, dtype=torch.int64)
         cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
         torch.cumsum(lens, 0, out=cu[1:])
-        seq_idx = torch.repeat_interleave(torch.arange(len(lengths)), lens)
-        pos = torch.arange(int(lens.sum())) - cu[:-1].long()[seq_idx]
-        return cls(ids.to(device), pos.to(device), cu.to(device), int(max(lengths, default=0)),
-                   seq_idx.to(device), lens.float().to(device))
+        pos = torch.arange(int(lens.sum())) - torch.repeat_interleave(cu[:-1].long(), lens)
+        return cls(ids.to(device), pos.to(device), cu.to(device), int(max(lengths, default=0)))
 
 
 @dataclass
@@ -140,14 +136,10 @@ class Encoder:
             x = ops.norm_add_norm(ops.gelu_tanh_and_mul(x @ L.gate_up.T) @ L.down.T, h, L.post_ff_norm, nxt, c.eps)
         return x
 
-    def pool(self, x: torch.Tensor, seq_idx: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        """Mean over each sequence's tokens, Dense modules, L2 norm; fp32 [B, out_dim]. Tokens whose seq_idx is
-        >= B (graph padding, possibly never written) are excluded. The segment sum is a matmul with the
-        one-hot token->sequence matrix: deterministic, unlike index_add's atomics."""
-        n = lengths.shape[0]
-        slots = torch.arange(n, device=x.device)
-        x = torch.where((seq_idx < n)[:, None], x.float(), 0.0)
-        e = ((seq_idx[None, :] == slots[:, None]).float() @ x) / lengths[:, None]
+    def pool(self, x: torch.Tensor, cu_seqlens: torch.Tensor, n: int, ops: Ops) -> torch.Tensor:
+        """Mean over each of the first n sequences' tokens, Dense modules, L2 norm; fp32 [n, out_dim]. Tokens past
+        cu_seqlens[n] (graph padding, possibly never written) are not read."""
+        e = ops.mean_pool(x, cu_seqlens, n)
         for w, bias in self.dense:
             e = F.linear(e, w, bias)
         return F.normalize(e, dim=-1) if self.cfg.normalize else e

@@ -117,4 +117,4 @@ class Engine:
 
     def forward_eager(self, b: Packed) -> torch.Tensor:
         x = self.model.forward(b, self.ops, (attention_fn(self.attn_candidates[0]),) * 2)
-        return self.model.pool(x, b.seq_idx, b.lengths)
+        return self.model.pool(x, b.cu_seqlens, b.cu_seqlens.shape[0] - 1, self.ops)

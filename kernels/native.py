@@ -22,6 +22,17 @@ def gelu_tanh_and_mul(gate_up):  # [T, 2I] -> [T, I]
     return F.gelu(gate, approximate="tanh") * up
 
 
+def mean_pool(x, cu_seqlens, n):
+    """Mean of each sequence's rows, fp32 [n, D]: sequence i is rows cu_seqlens[i]:cu_seqlens[i + 1] of x [T, D]
+    (an empty one gives 0; rows outside the n sequences may hold anything, even NaN). The segment sum is a matmul
+    with the one-hot row -> sequence matrix: deterministic, unlike index_add's atomics."""
+    cu = cu_seqlens[:n + 1].long()
+    rows = torch.arange(x.shape[0], device=x.device)
+    onehot = (rows[None, :] >= cu[:-1, None]) & (rows[None, :] < cu[1:, None])  # [n, T]
+    xf = torch.where(onehot.any(0)[:, None], x.float(), 0.0)
+    return (onehot.float() @ xf) / (cu[1:] - cu[:-1]).clamp(min=1)[:, None].float()
+
+
 def rope_table(base, head_dim, max_pos, device):
     """cos / sin [max_pos, head_dim // 2] fp32, computed as transformers' default RoPE does."""
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))

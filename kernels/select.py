@@ -24,6 +24,7 @@ class Ops:
     norm_add_norm: Callable  # (x, residual, w_post, w_pre, eps) -> out; residual updated in place
     gelu_tanh_and_mul: Callable  # (gate_up) -> out
     qk_norm_rope: Callable  # (qkv, pos, q_w, k_w, cos, sin, heads, kv_heads, eps) -> q, k, v
+    mean_pool: Callable  # (x, cu_seqlens, n) -> fp32 [n, D]
 
 
 def _have(module: str) -> bool:
@@ -90,13 +91,13 @@ def make_ops(backend: str, device: torch.device, dtype=torch.bfloat16, hidden=76
     have = available_norm_backends(device)
     if backend != "auto" and backend not in have:
         raise RuntimeError(f"norm backend {backend!r} is not available on {device} (available: {have})")
-    qk = native.qk_norm_rope
+    fused = dict(qk_norm_rope=native.qk_norm_rope, mean_pool=native.mean_pool)  # no library has these
     if device.type == "cuda" and _have("triton"):
         from kernels import triton_ops
-        qk = triton_ops.qk_norm_rope
+        fused = dict(qk_norm_rope=triton_ops.qk_norm_rope, mean_pool=triton_ops.mean_pool)
     if backend != "auto" or len(have) == 1:
         name = have[0] if backend == "auto" else backend
-        return Ops(name, qk_norm_rope=qk, **_backend_ops(name))
+        return Ops(name, **fused, **_backend_ops(name))
     x = torch.randn(tokens, hidden, device=device, dtype=dtype)
     h = torch.randn(tokens, hidden, device=device, dtype=dtype)
     w = torch.randn(hidden, device=device, dtype=dtype)
@@ -109,7 +110,7 @@ def make_ops(backend: str, device: torch.device, dtype=torch.bfloat16, hidden=76
         best = min(times, key=times.get)
         chosen[op] = cands[best][op]
         names.append(f"{op}={best}")
-    return Ops(",".join(names), qk_norm_rope=qk, **chosen)
+    return Ops(",".join(names), **fused, **chosen)
 
 
 def attention_fn(backend: str) -> Callable:

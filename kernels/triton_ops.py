@@ -67,6 +67,31 @@ def gelu_tanh_and_mul(gate_up):  # [T, 2I] -> [T, I]
 
 
 @triton.jit
+def _mean_pool_kernel(x_ptr, cu_ptr, out_ptr, D, sx, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    s = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)  # [BLOCK_D]
+    start = tl.load(cu_ptr + s)
+    end = tl.load(cu_ptr + s + 1)
+    acc = tl.zeros((BLOCK_R, BLOCK_D), dtype=tl.float32)
+    for r in range(start, end, BLOCK_R):
+        rows = r + tl.arange(0, BLOCK_R)[:, None]  # [BLOCK_R, 1]
+        m = (rows < end) & (cols[None, :] < D)
+        acc += tl.load(x_ptr + rows * sx + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    n = tl.maximum(end - start, 1).to(tl.float32)
+    tl.store(out_ptr + s * D + cols, tl.sum(acc, 0) / n, mask=cols < D)
+
+
+def mean_pool(x, cu_seqlens, n):
+    """As native.mean_pool, reading only the sequences' own rows: one program per sequence and 64 columns (the
+    one-hot matmul it replaces ran in fp32 over every slot of a graph, 0.13 ms at 16k tokens)."""
+    out = torch.empty((n, x.shape[1]), dtype=torch.float32, device=x.device)
+    if n:
+        _mean_pool_kernel[(n, triton.cdiv(x.shape[1], 64))](x, cu_seqlens, out, x.shape[1], x.stride(0),
+                                                             BLOCK_R=64, BLOCK_D=64)
+    return out
+
+
+@triton.jit
 def _qk_norm_rope_kernel(qkv_ptr, pos_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, s_qkv, eps,
                          H: tl.constexpr, HKV: tl.constexpr, NH: tl.constexpr, HALF: tl.constexpr):
     t = tl.program_id(0)

@@ -71,3 +71,19 @@ def test_qk_norm_rope(T, heads, kv_heads, dh):
     for g, w in zip(got, want):
         assert g.shape == w.shape
         close(g, w)
+
+
+@pytest.mark.parametrize("lengths", [[1], [7, 0, 130], [769, 3, 64, 1]])
+@pytest.mark.parametrize("D", [768, 100])
+def test_mean_pool(lengths, D):
+    """As inside a CUDA graph: empty sequences, and padding rows after the last sequence that hold NaN."""
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
+    x = rand(int(cu[-1]) + 5, D, scale=3)
+    x[int(cu[-1]):] = float("nan")
+    got = triton_ops.mean_pool(x, cu, len(lengths))
+    want = native.mean_pool(x, cu, len(lengths))
+    assert got.dtype == want.dtype == torch.float32 and got.shape == (len(lengths), D)
+    assert ((got - want).abs().max() / want.abs().max()).item() <= 1e-5  # both sum in fp32
+    for i, n in enumerate(lengths):
+        ref = x[int(cu[i]):int(cu[i + 1])].float().mean(0) if n else torch.zeros(D, device=DEV)
+        assert torch.allclose(want[i], ref, atol=1e-5)
