@@ -1,5 +1,5 @@
-"""Triton-lang versions of the fused ops, for hosts without sgl-kernel and for the fused q/k-norm + RoPE that
-no library provides. Each matches its twin in `kernels.native` to fp32 rounding (tests/test_kernels.py).
+"""Triton-lang versions of the fused ops, for hosts without sgl-kernel, and for the fused q/k-norm + RoPE and
+the segment-mean pooling that no library provides. Each matches its twin in `kernels.native` to fp32 rounding (tests/test_kernels.py).
 They also run under TRITON_INTERPRET=1 on CPU, which is how CI tests them."""
 import torch
 import triton
