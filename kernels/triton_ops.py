@@ -1,6 +1,6 @@
 """Triton-lang versions of the fused ops, for hosts without sgl-kernel, and for the fused q/k-norm + RoPE and
-the segment-mean pooling that no library provides. Each matches its twin in `kernels.native` to fp32 rounding (tests/test_kernels.py).
-They also run under TRITON_INTERPRET=1 on CPU, which is how CI tests them."""
+the segment-mean pooling that no library provides. Each matches its twin in `kernels.native` to fp32 rounding
+(tests/test_kernels.py). They also run under TRITON_INTERPRET=1 on CPU, which is how CI tests them."""
 import torch
 import triton
 import triton.language as tl
