@@ -10,10 +10,10 @@ Workloads (gRPC, text built from real English prose, token counts measured with 
   w3  single ~20-token texts, concurrency 1 .. 256             (perf_analyzer; throughput, latency)
   w4  80% queries of 10-40 tokens, 20% passages of 200-600, Poisson arrivals at 70% of the max rate
 Each --sweep variant (instance counts), and with --floor the repository with do-nothing models, runs w1, w2 and
-w3 at c=128/256 on its own server after the suite on the repository's defaults. Per-model split (Triton's statistics) for w1 and w3 at c=128.
+w3 at c=128/256 on its own server after the suite on the repository's defaults. Per-model split (Triton's
+statistics) for w1 and w3 at c=128. The size of the tokenizer's pieces: perf/tokenizer_pieces.py.
 Writes CSV per perf_analyzer run, results.json, throughput/latency PNG, and prints a summary table."""
 import argparse
-import copy
 import csv
 import glob
 import json
@@ -32,7 +32,7 @@ import tritonclient.grpc as grpcclient
 
 from egemma.config import ModelConfig
 from egemma.server import ROOT, TritonServer, free_port
-from egemma.tokenizer import Chunker, TextTokenizer, resolved_tokenizer_json
+from egemma.tokenizer import TextTokenizer, resolved_tokenizer_json
 
 CONCURRENCY = [1, 16, 64, 128, 256]
 MODELS = ("embeddinggemma_tokenizer", "embeddinggemma_encoder")
@@ -146,8 +146,7 @@ def tokenizer_times(tok: TextTokenizer, checkpoint: Path, texts: dict) -> dict:
     """The tokenizer model's call (texts in pieces, int32 arrays out) against one batched call of the
     checkpoint's tokenizer as transformers builds it, on this host's cores: 8 x 2048 tokens, 256 queries, one."""
     from tokenizers import Tokenizer
-    raw = resolved_tokenizer_json(checkpoint)
-    plain = Tokenizer.from_str(raw)
+    plain = Tokenizer.from_str(resolved_tokenizer_json(checkpoint))
     plain.enable_truncation(tok.max_length)
     out = {}
     runs = [(label, batch, name, f, 0.0) for label, batch in
@@ -155,10 +154,6 @@ def tokenizer_times(tok: TextTokenizer, checkpoint: Path, texts: dict) -> dict:
             for name, f in (("ours", tok.encode), ("plain", plain.encode_batch_fast))]
     # as in w1, where the tokenizer waits ~15 ms for the encoder between requests: is it slower from cold?
     runs.append(("8x2048", texts["w1"], "ours 20 ms apart", tok.encode, 0.02))
-    for chunk_chars in (512, 1024):  # smaller pieces than the default: better balanced over the cores?
-        variant = copy.copy(tok)
-        variant.chunker = Chunker(raw, chunk_chars)
-        runs.append(("8x2048", texts["w1"], f"ours {chunk_chars}-char pieces", variant.encode, 0.0))
     for label, batch, name, f, gap in runs:
         ts = []
         for _ in range(22):

@@ -3,7 +3,7 @@
 #   device run, carry [.gpu/...]:  bash perf/gpu_run.sh STEP [STEP ...]
 # Steps:
 #   deps                 only unpack what was carried (a warm machine keeps it for the next call: FA3 + sgl-kernel
-#                        do not fit one transfer beside the server)
+#                        do not fit one transfer beside the server); prints the CPU layout and whether MPS is there
 #   engine               GPU tests, profile, engine benchmark
 #   serve                serving benchmark (perf/bench_serve.py) incl. the sentence-transformers baseline and
 #                        the instance-count sweep in $EGEMMA_SWEEP (space-separated MODEL=N,MODEL=N variants);
