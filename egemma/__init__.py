@@ -1,1 +1,4 @@
-"""EmbeddingGemma engine: checkpoint loading, tokenisation and the packed varlen Gemma3 encoder."""
+"""google/embeddinggemma-300m on Triton, in three tiers: `engine` (checkpoint -> embeddings; no Triton, no
+server), `serving` (the request protocols: options, the Triton adapters' helpers, metrics, the HTTP gateway) and
+`ops` (launcher, model repository rendering, watchdog, /proc). engine imports neither of the others; serving does
+not import ops. `egemma.kernels` is the repository's top-level kernels/ folder."""

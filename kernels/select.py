@@ -11,7 +11,7 @@ from typing import Callable
 
 import torch
 
-from kernels import native
+from egemma.kernels import native
 
 NORM_BACKENDS = ("sgl-kernel", "triton", "native")
 ATTENTION_BACKENDS = ("fa3", "fa2", "native")
@@ -51,7 +51,7 @@ def _backend_ops(backend: str) -> dict[str, Callable]:
         return dict(rmsnorm=native.rmsnorm, norm_add_norm=native.norm_add_norm,
                     gelu_tanh_and_mul=native.gelu_tanh_and_mul)
     if backend == "triton":
-        from kernels import triton_ops as t
+        from egemma.kernels import triton_ops as t
         return dict(rmsnorm=t.rmsnorm, norm_add_norm=t.norm_add_norm, gelu_tanh_and_mul=t.gelu_tanh_and_mul)
     import sgl_kernel
 
@@ -93,7 +93,7 @@ def make_ops(backend: str, device: torch.device, dtype=torch.bfloat16, hidden=76
         raise RuntimeError(f"norm backend {backend!r} is not available on {device} (available: {have})")
     fused = dict(qk_norm_rope=native.qk_norm_rope, mean_pool=native.mean_pool)  # no library has these
     if device.type == "cuda" and _have("triton"):
-        from kernels import triton_ops
+        from egemma.kernels import triton_ops
         fused = dict(qk_norm_rope=triton_ops.qk_norm_rope, mean_pool=triton_ops.mean_pool)
     if backend != "auto" or len(have) == 1:
         name = have[0] if backend == "auto" else backend

@@ -10,7 +10,7 @@ import time
 import numpy as np
 import torch
 
-from egemma.runner import Engine, EngineConfig
+from egemma.engine import Engine, EngineConfig
 
 
 def workloads(vocab, seed=0):

@@ -30,9 +30,10 @@ from pathlib import Path
 import numpy as np
 import tritonclient.grpc as grpcclient
 
-from egemma.config import ModelConfig
-from egemma.server import ROOT, TritonServer, free_port
-from egemma.tokenizer import TextTokenizer, resolved_tokenizer_json
+from egemma.engine.config import ModelConfig
+from egemma.ops.repository import ROOT
+from egemma.ops.tritonserver import TritonServer, free_port
+from egemma.engine.tokenizer import TextTokenizer, resolved_tokenizer_json
 
 CONCURRENCY = [1, 16, 64, 128, 256]
 MODELS = ("embeddinggemma_tokenizer", "embeddinggemma_encoder")

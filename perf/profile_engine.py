@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from egemma.runner import Engine, EngineConfig
+from egemma.engine import Engine, EngineConfig
 
 GROUPS = [("attention", ("flash", "fmha", "attn")), ("gemm", ("gemm", "sm90", "cutlass", "cublas", "nvjet")),
           ("norm", ("rmsnorm", "norm")), ("activation", ("gelu",)), ("rope", ("qk_norm_rope",)),

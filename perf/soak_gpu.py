@@ -24,10 +24,10 @@ import tritonclient.grpc as grpcclient
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_serve import make_text, model_stats, pa_data, perf_analyzer, prose  # noqa: E402
 
-from egemma.config import ModelConfig  # noqa: E402
-from egemma.server import TritonServer, free_port  # noqa: E402
-from egemma.tokenizer import TextTokenizer  # noqa: E402
-from egemma.watchdog import rss_kb, stub_pids  # noqa: E402
+from egemma.engine.config import ModelConfig  # noqa: E402
+from egemma.ops.tritonserver import TritonServer, free_port  # noqa: E402
+from egemma.engine.tokenizer import TextTokenizer  # noqa: E402
+from egemma.ops.procfs import rss_kb, stub_pids  # noqa: E402
 
 MODEL = "embeddinggemma"
 MIN_COSINE = 0.999

@@ -1,4 +1,4 @@
-"""How the size of the tokenizer's parallel pieces (egemma.tokenizer.Chunker) affects 8 texts of ~2048 tokens,
+"""How the size of the tokenizer's parallel pieces (egemma.engine.chunker.Chunker) affects 8 texts of ~2048 tokens,
 back to back and 20 ms apart (as in w1, where the tokenizer waits for the encoder between requests).
 
   python perf/tokenizer_pieces.py CHECKPOINT        # prints the median ms per piece size (40 interleaved runs)"""
@@ -10,8 +10,9 @@ import time
 from pathlib import Path
 
 from bench_serve import make_text, prose
-from egemma.config import ModelConfig
-from egemma.tokenizer import Chunker, TextTokenizer, resolved_tokenizer_json
+from egemma.engine.config import ModelConfig
+from egemma.engine.chunker import Chunker
+from egemma.engine.tokenizer import TextTokenizer, resolved_tokenizer_json
 
 SIZES = (256, 512, 768, 1024, 1536, 2048, 4096)
 

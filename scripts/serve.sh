@@ -5,4 +5,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] && .venv/bin/python -c "import egemma, pytriton" 2>/dev/null || scripts/setup.sh
-exec .venv/bin/python -m egemma.server "$@"
+exec .venv/bin/python -m egemma.ops.launcher "$@"

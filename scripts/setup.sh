@@ -14,7 +14,8 @@ echo "[setup] installing packages into .venv (first run: a few minutes)"
 # torch 2.13.0 is the tested CPU build; the project itself needs any torch >= 2.4.
 .venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0 -e '.[server,test]'
 .venv/bin/python - <<'PY'
-from egemma.server import DEMO, ROOT, find_tritonserver
+from egemma.ops.repository import DEMO, ROOT
+from egemma.ops.tritonserver import find_tritonserver
 import subprocess, sys
 binary, backends = find_tritonserver()
 print(f"[setup] tritonserver: {binary}\n[setup] backends:     {backends}")

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 from safetensors.torch import load_file, save_file
 
-from conftest import cosine, make_texts, reference, st_embed_ids, st_model
-from egemma.config import CheckpointError, ModelConfig
-from egemma.runner import Engine, EngineConfig
-from egemma.tokenizer import TextTokenizer
+from helpers import cosine, make_texts, reference, st_embed_ids, st_model
+from egemma.engine.config import CheckpointError, ModelConfig
+from egemma.engine import Engine, EngineConfig
+from egemma.engine.tokenizer import TextTokenizer
 
 
 def embed_texts(ckpt, texts, **ec):
@@ -117,7 +117,7 @@ def test_engine_config_from_model_parameters(checkpoints):
 
 def test_rendered_repository_takes_parameters_and_instance_counts(checkpoints, tmp_path):
     """What `serve --param / --instances` write into the served copy of model_repository (the source stays)."""
-    from egemma.server import REPO, render_repository
+    from egemma.ops.repository import REPO, render_repository
     source = (REPO / "embeddinggemma_encoder" / "config.pbtxt").read_text()
     repo = render_repository(tmp_path / "repo", checkpoints["eos"], {"attention_backend": "fa2"},
                              instances={"embeddinggemma_encoder": 2})

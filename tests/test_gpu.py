@@ -15,7 +15,7 @@ def full():
     p = os.environ.get("EGEMMA_FULL_CHECKPOINT")
     if not p:
         pytest.skip("EGEMMA_FULL_CHECKPOINT not set")
-    from egemma.runner import Engine, EngineConfig
+    from egemma.engine import Engine, EngineConfig
     from sentence_transformers import SentenceTransformer
     eng = Engine(EngineConfig(p))
     ref = SentenceTransformer(p, device="cuda")  # fp32, TF32 off (torch's default for matmul)

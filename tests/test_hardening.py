@@ -18,17 +18,12 @@ import tritonclient.grpc as grpcclient
 from hypothesis import HealthCheck, event, given, settings, strategies as st
 from tritonclient.utils import InferenceServerException
 
-from conftest import ROOT, make_texts, reference
-from test_server import fire_concurrently, text_input
+from egemma.ops.procfs import gone
+from helpers import (ROOT, assert_close, fire_concurrently, make_texts, raw_input, reference, text_input,
+                     wait_for)
 
-TOL = 1e-5
 GOOD = make_texts(12, 80, seed=11)
 INVALID = "StatusCode.INVALID_ARGUMENT"
-
-
-def assert_close(got, ref):
-    assert got.shape == ref.shape and got.dtype == np.float32
-    assert np.isfinite(got).all() and np.abs(got - ref).max() <= TOL
 
 
 def assert_clean_error(e, *fragments, status=INVALID):
@@ -84,7 +79,7 @@ def test_empty_batch_is_rejected(server, good_ref):
 
 
 def test_empty_string_embeds_bos_eos_only(server, checkpoints, good_ref):
-    from conftest import st_embed_ids, st_model
+    from helpers import st_embed_ids, st_model
     [(r, e), (ids, e2)] = mixed(server, good_ref, [("embeddinggemma", [text_input([""])]),
                                                    ("embeddinggemma_tokenizer", [text_input([""])])])
     assert e is None and e2 is None
@@ -124,20 +119,14 @@ def test_10000_texts_in_one_request_are_rejected(server, good_ref):
     assert_clean_error(e, "batch-size must be <= 64")
 
 
-def _raw(name, datatype, arr):
-    i = grpcclient.InferInput(name, list(arr.shape), datatype)
-    i.set_data_from_numpy(arr)
-    return i
-
-
 def test_wrong_dtype_or_shape_grpc(server, good_ref):
     cases = [  # (inputs, what the error names)
-        ([_raw("TEXT", "INT32", np.array([[1]], dtype=np.int32))], "data-type is 'INT32'"),
-        ([_raw("TEXT", "FP32", np.array([[1.5]], dtype=np.float32))], "data-type is 'FP32'"),
-        ([_raw("TEXT", "BYTES", np.array([[b"a", b"b"]], dtype=object))], "unexpected shape"),
-        ([_raw("TEXT", "BYTES", np.array([b"a", b"b"], dtype=object))], "unexpected shape"),
-        ([_raw("TEXT", "BYTES", np.array([[[b"a"]]], dtype=object))], "unexpected shape"),
-        ([_raw("TXT", "BYTES", np.array([[b"a"]], dtype=object))], "unexpected inference input 'TXT'"),
+        ([raw_input("TEXT", "INT32", np.array([[1]], dtype=np.int32))], "data-type is 'INT32'"),
+        ([raw_input("TEXT", "FP32", np.array([[1.5]], dtype=np.float32))], "data-type is 'FP32'"),
+        ([raw_input("TEXT", "BYTES", np.array([[b"a", b"b"]], dtype=object))], "unexpected shape"),
+        ([raw_input("TEXT", "BYTES", np.array([b"a", b"b"], dtype=object))], "unexpected shape"),
+        ([raw_input("TEXT", "BYTES", np.array([[[b"a"]]], dtype=object))], "unexpected shape"),
+        ([raw_input("TXT", "BYTES", np.array([[b"a"]], dtype=object))], "unexpected inference input 'TXT'"),
         ([], "missing required input"),
     ]
     res = mixed(server, good_ref, [("embeddinggemma", inputs) for inputs, _ in cases])
@@ -190,11 +179,11 @@ NAN_BAIT = ["", " ", "\n" * 5000, "\x00" * 100, "\u200b\u200b", "<pad>", "<pad>"
 def test_nan_bait_gives_finite_exact_embeddings(server, checkpoints, good_ref):
     """Inputs that could make a sloppy pipeline produce NaN/Inf (nothing to pool, only specials or padding, the
     longest sequences, combining marks): every embedding finite and equal to the reference."""
-    from conftest import st_embed_ids, st_model
+    from helpers import st_embed_ids, st_model
     jobs = [("embeddinggemma", [text_input([t])]) for t in NAN_BAIT]
     id_rows = [[2, 1], [2] + [0] * 2046 + [1], [1] * 2048, [0], [2] * 2048]  # direct encoder calls
     for row in id_rows:
-        jobs.append(("embeddinggemma_encoder", [_raw("INPUT_IDS", "INT32", np.array([row], dtype=np.int32))]))
+        jobs.append(("embeddinggemma_encoder", [raw_input("INPUT_IDS", "INT32", np.array([row], dtype=np.int32))]))
     res = mixed(server, good_ref, jobs)
     ref = np.concatenate([reference(checkpoints["eos"], NAN_BAIT), st_embed_ids(st_model(checkpoints["eos"]), id_rows)])
     for (r, e), want in zip(res, ref):
@@ -305,7 +294,7 @@ def test_admin_apis_need_the_admin_key(server):
 def test_sigterm_drains_the_request_in_flight(checkpoints, tmp_path):
     """SIGTERM while a slow batch (16 x 2048 tokens, seconds on CPU) is inside the encoder: Triton waits for it
     (--exit-timeout-secs) and the client gets the full, correct answer; then the server exits cleanly."""
-    from egemma.server import TritonServer, free_port
+    from egemma.ops.tritonserver import TritonServer, free_port
     text = "kalo the " * 1500
     want = reference(checkpoints["eos"], [text])
     with open(tmp_path / "tritonserver.log", "w") as log, \
@@ -332,8 +321,8 @@ def test_watchdog_leaves_a_busy_server_alone(checkpoints, tmp_path):
     """A canary stuck behind a long batch is not a crash: with a 0.5 s canary timeout and a restart on the first
     failure, a 16 x 2048-token batch (seconds on CPU) on the only encoder instance still completes, and nothing
     is restarted."""
-    from egemma.server import TritonServer, free_port
-    from egemma.watchdog import Watchdog
+    from egemma.ops.tritonserver import TritonServer, free_port
+    from egemma.ops.watchdog import Watchdog
     text = "kalo the " * 1500
     log = open(tmp_path / "tritonserver.log", "w")
     start = lambda: TritonServer(checkpoints["eos"], http_port=free_port(), grpc_port=free_port(),  # noqa: E731
@@ -354,7 +343,7 @@ def _count(c, model):
 # ---------------------------------------------------------------------------------------------- crash recovery
 
 def _tritonserver_pid(launcher_pid, deadline):
-    from egemma.watchdog import children
+    from egemma.ops.procfs import children
     while time.monotonic() < deadline:
         pids = [p for p, argv in children(launcher_pid).items() if os.path.basename(argv[0]) == "tritonserver"]
         if pids:
@@ -377,29 +366,22 @@ def _listening(port):
     return out
 
 
-def _wait_for(cond, timeout, what):
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
-
-
 def test_launcher_watchdog_restores_service_after_the_encoder_dies(checkpoints, tmp_path, good_ref):
-    """`python -m egemma.server` (watchdog on by default): loopback-only sockets, admin key required; SIGKILL the
+    """`python -m egemma.ops.launcher` (watchdog on by default): loopback-only sockets, admin key required; SIGKILL the
     encoder's stub; requests in flight fail cleanly, the watchdog notices within 10 s, the service is back within
     30 s with correct results, and SIGTERM ends launcher and server."""
-    from egemma.server import CPU_INSTANCES, free_port, gpu_host
-    from egemma.watchdog import stub_pids
+    from egemma.ops.tritonserver import CPU_INSTANCES, free_port, gpu_host
+    from egemma.ops.procfs import stub_pids
     ports = [free_port() for _ in range(4)]
     out, err = open(tmp_path / "stdout", "w"), open(tmp_path / "stderr", "w")
-    launcher = subprocess.Popen([sys.executable, "-m", "egemma.server", "--model", str(checkpoints["eos"]),
+    launcher = subprocess.Popen([sys.executable, "-m", "egemma.ops.launcher", "--model", str(checkpoints["eos"]),
                                  "--run-dir", str(tmp_path / "run"), "--http-port", str(ports[0]), "--grpc-port",
                                  str(ports[1]), "--metrics-port", str(ports[2]), "--admin-key", "let-me-in",
                                  "--exit-timeout-secs", "20", "--openai-port", str(ports[3])],
                                 cwd=ROOT, stdout=out, stderr=err)
     started = []
     try:
-        _wait_for(lambda: "ready:" in (tmp_path / "stdout").read_text() or launcher.poll() is not None, 300,
+        wait_for(lambda: "ready:" in (tmp_path / "stdout").read_text() or launcher.poll() is not None, 300,
                   "the launcher to print ready")
         assert launcher.poll() is None, (tmp_path / "stderr").read_text()
         assert "admin-key: let-me-in" in (tmp_path / "stdout").read_text()
@@ -424,7 +406,7 @@ def test_launcher_watchdog_restores_service_after_the_encoder_dies(checkpoints, 
         for k in range(6):
             c.async_infer("embeddinggemma", [text_input(long)], client_timeout=60,
                           callback=lambda result, error, k=k: inflight.put((k, result, error)))
-        _wait_for(lambda: _count(c, "embeddinggemma_tokenizer") >= n0 + 8, 60, "requests to reach the encoder")
+        wait_for(lambda: _count(c, "embeddinggemma_tokenizer") >= n0 + 8, 60, "requests to reach the encoder")
         encoders = [p for p, model in stub_pids(pid).items() if "embeddinggemma_encoder" in model]
         if not gpu_host():  # the launcher's CPU instance counts, not the repository's
             assert len(encoders) == CPU_INSTANCES["embeddinggemma_encoder"], encoders
@@ -432,7 +414,7 @@ def test_launcher_watchdog_restores_service_after_the_encoder_dies(checkpoints, 
         os.kill(enc, signal.SIGKILL)
         killed = time.monotonic()
 
-        _wait_for(lambda: "restarting tritonserver" in (tmp_path / "stderr").read_text(), 10,
+        wait_for(lambda: "restarting tritonserver" in (tmp_path / "stderr").read_text(), 10,
                   "the watchdog to notice")
         noticed = time.monotonic() - killed
 
@@ -455,12 +437,12 @@ def test_launcher_watchdog_restores_service_after_the_encoder_dies(checkpoints, 
                 return False
             assert_close(got, good_ref)
             return True
-        _wait_for(serving, 30 - (time.monotonic() - killed), "service to be restored")
+        wait_for(serving, 30 - (time.monotonic() - killed), "service to be restored")
         recovered = time.monotonic() - killed
         assert noticed < 10 and recovered < 30, (noticed, recovered)
         new = _tritonserver_pid(launcher.pid, time.monotonic() + 10)
         started.append(new)
-        assert new != pid and _gone(pid)
+        assert new != pid and gone(pid)
         # Every later request succeeds, concurrently too.
         res = fire_concurrently(grpcclient.InferenceServerClient(f"127.0.0.1:{ports[1]}"),
                                 [("embeddinggemma", [text_input([t])]) for t in GOOD])
@@ -471,32 +453,24 @@ def test_launcher_watchdog_restores_service_after_the_encoder_dies(checkpoints, 
 
         launcher.send_signal(signal.SIGTERM)
         assert launcher.wait(90) == 0
-        assert _gone(new)
+        assert gone(new)
     finally:
         if launcher.poll() is None:
             launcher.kill()
             launcher.wait()
         for p in started:  # the servers run in their own sessions: the launcher's death does not end them
-            if not _gone(p):
+            if not gone(p):
                 os.killpg(p, signal.SIGKILL)
         out.close()
         err.close()
-
-
-def _gone(pid):
-    """Exited (reaped, or a zombie waiting for its parent)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return True
 
 
 def test_watchdog_restarts_the_server_when_an_encoder_stub_is_stopped(checkpoints, tmp_path, good_ref):
     """SIGSTOP one of two encoder stubs under load (the other would answer the canary, and
     the requests given to the stopped one wait): the watchdog notices within 10 s, the requests in flight end (an
     answer or a clean error, no hang), and the service is back within 30 s."""
-    from egemma.server import TritonServer, free_port
-    from egemma.watchdog import Watchdog, stub_pids
+    from egemma.ops.tritonserver import TritonServer, free_port
+    from egemma.ops.watchdog import Watchdog, stub_pids
     ports = [free_port() for _ in range(3)]
     log = open(tmp_path / "tritonserver.log", "w")
     start = lambda: TritonServer(checkpoints["eos"], http_port=ports[0], grpc_port=ports[1],  # noqa: E731
@@ -511,11 +485,11 @@ def test_watchdog_restarts_the_server_when_an_encoder_stub_is_stopped(checkpoint
             for _ in range(6):
                 c.async_infer("embeddinggemma", [text_input(["kalo the " * 1000] * 4)], client_timeout=60,
                               callback=lambda result, error: inflight.put(error))
-            _wait_for(lambda: _count(c, "embeddinggemma_tokenizer") >= n0 + 8, 60, "requests to reach the encoder")
+            wait_for(lambda: _count(c, "embeddinggemma_tokenizer") >= n0 + 8, 60, "requests to reach the encoder")
             enc = min(p for p, model in stub_pids(wd.server.proc.pid).items() if "embeddinggemma_encoder" in model)
             os.kill(enc, signal.SIGSTOP)
             stopped = time.monotonic()
-            _wait_for(lambda: wd.events, 30, "the watchdog to restart the server")
+            wait_for(lambda: wd.events, 30, "the watchdog to restart the server")
             noticed, why, took = wd.events[0]
             assert noticed - stopped < 10 and "stopped" in why, (noticed - stopped, why)
             for _ in range(6):
@@ -528,7 +502,7 @@ def test_watchdog_restarts_the_server_when_an_encoder_stub_is_stopped(checkpoint
             assert recovered < 30, recovered
             print(f"noticed after {noticed - stopped:.1f}s ({why}), serving again after {recovered:.1f}s")
         finally:
-            if enc is not None and not _gone(enc):
+            if enc is not None and not gone(enc):
                 os.kill(enc, signal.SIGCONT)
 
 
@@ -536,8 +510,8 @@ def _stuck_model(checkpoints, tmp_path, text, **watchdog_args):
     """Serve tests/spin_repository (one instance; "spin" loops forever, "hang" blocks forever) under a Watchdog,
     send `text`, wait for the restart; the stuck request must end with a clean error and the canary succeed
     within 30 s. Returns (seconds from sending to the watchdog noticing, its reason, its excused timeouts)."""
-    from egemma.server import TritonServer, free_port
-    from egemma.watchdog import Watchdog, canary
+    from egemma.ops.tritonserver import TritonServer, free_port
+    from egemma.ops.watchdog import Watchdog, canary
     ports = [free_port() for _ in range(3)]
     log = open(tmp_path / "tritonserver.log", "w")
     start = lambda: TritonServer(checkpoints["eos"], http_port=ports[0], grpc_port=ports[1],  # noqa: E731
@@ -549,7 +523,7 @@ def _stuck_model(checkpoints, tmp_path, text, **watchdog_args):
         grpcclient.InferenceServerClient(wd.server.grpc_url).async_infer(
             "embeddinggemma", [text_input([text])], client_timeout=120, callback=lambda result, error: done.put(error))
         sent = time.monotonic()
-        _wait_for(lambda: wd.events, 60, "the watchdog to restart the server")
+        wait_for(lambda: wd.events, 60, "the watchdog to restart the server")
         noticed, why, took = wd.events[0]
         e = done.get(timeout=30)
         assert isinstance(e, InferenceServerException), e

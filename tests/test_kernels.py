@@ -6,8 +6,8 @@ import torch
 CUDA = torch.cuda.is_available()  # without one, conftest.py put Triton in interpreter mode
 pytest.importorskip("triton")
 
-from kernels import native, triton_ops  # noqa: E402
-from kernels.select import available_norm_backends, make_ops  # noqa: E402
+from egemma.kernels import native, triton_ops  # noqa: E402
+from egemma.kernels.select import available_norm_backends, make_ops  # noqa: E402
 
 DEV = torch.device("cuda" if CUDA else "cpu")
 DTYPE = torch.bfloat16 if CUDA else torch.float32

@@ -5,16 +5,15 @@ import threading
 import numpy as np
 import pytest
 
-from conftest import make_texts, reference
-from test_server import assert_matches
+from helpers import assert_close, make_texts, reference
 
 openai = pytest.importorskip("openai")
 
 
 @pytest.fixture(scope="module")
 def gateway(server, checkpoints):
-    from egemma.openai_gateway import make_server
-    from egemma.server import free_port
+    from egemma.serving.gateway import make_server
+    from egemma.ops.tritonserver import free_port
     srv = make_server("127.0.0.1", free_port(), server.grpc_url, checkpoints["eos"],
                       str(server.run_dir / "tokenizer.json"))
     t = threading.Thread(target=srv.serve_forever, daemon=True)
@@ -28,7 +27,7 @@ def test_list_input_float(gateway, checkpoints):
     r = gateway.embeddings.create(input=texts, model="google/embeddinggemma-300m")
     got = np.array([d.embedding for d in r.data], dtype=np.float32)
     assert [d.index for d in r.data] == list(range(70))
-    assert_matches(got, reference(checkpoints["eos"], texts))
+    assert_close(got, reference(checkpoints["eos"], texts))
     assert r.usage.prompt_tokens > 70 * 2
 
 

@@ -8,8 +8,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from sentence_transformers.util import quantize_embeddings
 
-from conftest import cosine, make_texts, reference, st_model
-from test_server import assert_matches, fire_concurrently, text_input
+from helpers import assert_close, cosine, fire_concurrently, make_texts, reference, st_model, text_input
 
 TEXTS = make_texts(10, 200, seed=7)
 
@@ -22,7 +21,7 @@ def infer(server, texts, output="EMBEDDING", **params):
 
 @pytest.mark.parametrize("prompt_name", ["query", "document", "Retrieval-query", "STS", "Classification"])
 def test_prompt_name(server, checkpoints, prompt_name):
-    assert_matches(infer(server, TEXTS, prompt_name=prompt_name),
+    assert_close(infer(server, TEXTS, prompt_name=prompt_name),
                    reference(checkpoints["eos"], TEXTS, prompt_name=prompt_name))
 
 
@@ -30,7 +29,7 @@ def test_literal_prompt_over_http(server, checkpoints):
     c = httpclient.InferenceServerClient(server.http_url)
     got = c.infer("embeddinggemma", [text_input(TEXTS, httpclient)],
                   parameters={"prompt": "task: custom | query: "}).as_numpy("EMBEDDING")
-    assert_matches(got, reference(checkpoints["eos"], TEXTS, prompt="task: custom | query: "))
+    assert_close(got, reference(checkpoints["eos"], TEXTS, prompt="task: custom | query: "))
 
 
 @pytest.mark.parametrize("dim", [32, 16, 48])
@@ -53,7 +52,7 @@ def test_binary_encodings(server, checkpoints, encoding, output):
 
 def test_truncate_true_is_the_default(server, checkpoints):
     long = ["kalo the " * 3000]
-    assert_matches(infer(server, long, truncate=True), reference(checkpoints["eos"], long))
+    assert_close(infer(server, long, truncate=True), reference(checkpoints["eos"], long))
 
 
 def test_error_paths_are_per_request_inside_a_mixed_concurrent_batch(server, checkpoints):
@@ -71,7 +70,7 @@ def test_error_paths_are_per_request_inside_a_mixed_concurrent_batch(server, che
     for (r, e), (_, _, _, needle) in zip(results, jobs):
         if needle is None:
             assert e is None, e
-            assert_matches(r.as_numpy("EMBEDDING"), next(ref)[None])
+            assert_close(r.as_numpy("EMBEDDING"), next(ref)[None])
         else:
             assert e is not None and needle in str(e) and "INVALID_ARG" in str(e), (needle, e)
     assert c.is_server_ready()

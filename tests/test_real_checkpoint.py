@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
-from conftest import cosine, st_model
-from egemma.config import ModelConfig
-from egemma.tokenizer import TextTokenizer
+from helpers import cosine, st_model
+from egemma.engine.config import ModelConfig
+from egemma.engine.tokenizer import TextTokenizer
 
 TEXTS = ["", "Which planet is known as the Red Planet?",
          "Mars, known for its reddish appearance, is often referred to as the Red Planet. " * 6,
@@ -16,7 +16,7 @@ TEXTS = ["", "Which planet is known as the Red Planet?",
 
 @pytest.fixture(scope="module")
 def real_server(real_checkpoint, tmp_path_factory):
-    from egemma.server import TritonServer, free_port
+    from egemma.ops.tritonserver import TritonServer, free_port
     d = tmp_path_factory.mktemp("real")
     with open(d / "tritonserver.log", "w") as log, \
             TritonServer(real_checkpoint, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
@@ -44,7 +44,7 @@ def test_real_checkpoint_served_equals_sentence_transformers(real_server, real_c
 
 
 def test_pieces_keep_real_gemma_ids(real_checkpoint):
-    """Texts tokenised in pieces (egemma.tokenizer.Chunker) against Gemma's tokenizer on whole texts: prose,
+    """Texts tokenised in pieces (egemma.engine.chunker.Chunker) against Gemma's tokenizer on whole texts: prose,
     code, HTML and random strings of the characters that matter (">" is glued to "▁" by a merge)."""
     import glob
     import random
@@ -52,7 +52,8 @@ def test_pieces_keep_real_gemma_ids(real_checkpoint):
 
     from tokenizers import Tokenizer
 
-    from egemma.tokenizer import Chunker, resolved_tokenizer_json
+    from egemma.engine.chunker import Chunker
+    from egemma.engine.tokenizer import resolved_tokenizer_json
     raw = resolved_tokenizer_json(real_checkpoint)
     chunker, tok = Chunker(raw, chunk_chars=64), Tokenizer.from_str(raw)
     assert chunker.why_not is None and chunker.glued == {" ", "▁", ">"}, chunker.glued

@@ -1,7 +1,6 @@
 """Through the real tritonserver: HTTP and gRPC, batches in one request, concurrent mixed-length requests that
 dynamic batching packs together, direct token-id calls, per-request errors. Every answer is compared with
 sentence-transformers on the same checkpoint."""
-import queue
 import time
 
 import numpy as np
@@ -9,57 +8,28 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
-from conftest import cosine, make_texts, reference
-
-TOL = 1e-5
-
-
-def text_input(texts, mod=grpcclient):
-    """TEXT [n, 1] from str (UTF-8 encoded) or raw bytes (sent as they are)."""
-    i = mod.InferInput("TEXT", [len(texts), 1], "BYTES")
-    i.set_data_from_numpy(np.array([[t if isinstance(t, bytes) else t.encode()] for t in texts],
-                                   dtype=object).reshape(len(texts), 1))
-    return i
-
-
-def assert_matches(got, ref):
-    assert got.shape == ref.shape and got.dtype == np.float32
-    assert cosine(got, ref).min() >= 0.99999 and np.abs(got - ref).max() <= TOL
+from helpers import assert_close, fire_concurrently, ids_input, make_texts, reference, text_input
 
 
 def test_http_batch_in_one_request(server, checkpoints):
     texts = make_texts(12, 200, seed=1) + ["", "<eos>"]
     c = httpclient.InferenceServerClient(server.http_url)
     got = c.infer("embeddinggemma", [text_input(texts, httpclient)]).as_numpy("EMBEDDING")
-    assert_matches(got, reference(checkpoints["eos"], texts))
+    assert_close(got, reference(checkpoints["eos"], texts))
 
 
 def test_grpc_batch_in_one_request(server, checkpoints):
     texts = make_texts(20, 500, seed=2)
     c = grpcclient.InferenceServerClient(server.grpc_url)
     got = c.infer("embeddinggemma", [text_input(texts)]).as_numpy("EMBEDDING")
-    assert_matches(got, reference(checkpoints["eos"], texts))
+    assert_close(got, reference(checkpoints["eos"], texts))
 
 
 def test_over_long_text_is_truncated_like_sentence_transformers(server, checkpoints):
     texts = ["kalo the " * 3000, "short"]
     c = grpcclient.InferenceServerClient(server.grpc_url)
     got = c.infer("embeddinggemma", [text_input(texts)]).as_numpy("EMBEDDING")
-    assert_matches(got, reference(checkpoints["eos"], texts))
-
-
-def fire_concurrently(c, jobs, parameters=None, timeout=120):
-    """jobs: [(model, inputs)]; all sent at once with async_infer (with per-job request parameters if given);
-    returns [(result, error)] in job order."""
-    done = queue.Queue()
-    for k, (model, inputs) in enumerate(jobs):
-        c.async_infer(model, inputs, callback=lambda result, error, k=k: done.put((k, result, error)),
-                      parameters=parameters[k] if parameters else None, client_timeout=timeout)
-    out = [None] * len(jobs)
-    for _ in jobs:
-        k, r, e = done.get(timeout=timeout + 10)
-        out[k] = (r, e)
-    return out
+    assert_close(got, reference(checkpoints["eos"], texts))
 
 
 def test_concurrent_single_text_requests_are_batched_and_each_correct(server, checkpoints):
@@ -70,7 +40,7 @@ def test_concurrent_single_text_requests_are_batched_and_each_correct(server, ch
     res = fire_concurrently(c, [("embeddinggemma", [text_input([t])]) for t in texts])
     for (r, e), want in zip(res, ref):
         assert e is None, e
-        assert_matches(r.as_numpy("EMBEDDING"), want[None])
+        assert_close(r.as_numpy("EMBEDDING"), want[None])
     deadline = time.monotonic() + 30  # Triton updates its statistics just after the responses go out
     while (after := _stats(c))[0] - before[0] < 48 and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -83,23 +53,8 @@ def _stats(c):
     return int(s.get("inference_count", 0)), int(s.get("execution_count", 0))
 
 
-def ids_input(rows, seq_len=None, pad=0):
-    L = max(len(r) for r in rows)
-    ids = np.full((len(rows), L), pad, dtype=np.int32)
-    for j, r in enumerate(rows):
-        ids[j, :len(r)] = r
-    i = grpcclient.InferInput("INPUT_IDS", list(ids.shape), "INT32")
-    i.set_data_from_numpy(ids)
-    inputs = [i]
-    if seq_len is not False:
-        s = grpcclient.InferInput("SEQ_LEN", [len(rows), 1], "INT32")
-        s.set_data_from_numpy(np.array([[len(r)] for r in rows], dtype=np.int32))
-        inputs.append(s)
-    return inputs
-
-
 def test_encoder_takes_token_ids_directly_and_bad_requests_fail_alone(server, checkpoints):
-    from conftest import st_embed_ids, st_model
+    from helpers import st_embed_ids, st_model
     rng = np.random.default_rng(0)
     rows = [[2, *rng.integers(4, 1000, n).tolist(), 1] for n in (1, 40, 300)]
     ref = st_embed_ids(st_model(checkpoints["eos"]), rows)
@@ -112,10 +67,10 @@ def test_encoder_takes_token_ids_directly_and_bad_requests_fail_alone(server, ch
     (good, e0), (_, bad), (nolen, e2), (one, e3), (padded, e4) = fire_concurrently(c, jobs)
     assert e0 is None and e2 is None and e3 is None and e4 is None
     assert bad is not None and "vocabulary" in str(bad)
-    assert_matches(good.as_numpy("EMBEDDING"), ref)
-    assert_matches(nolen.as_numpy("EMBEDDING"), ref[1:2])
-    assert_matches(one.as_numpy("EMBEDDING"), ref[2:3])
-    assert_matches(padded.as_numpy("EMBEDDING"), ref)
+    assert_close(good.as_numpy("EMBEDDING"), ref)
+    assert_close(nolen.as_numpy("EMBEDDING"), ref[1:2])
+    assert_close(one.as_numpy("EMBEDDING"), ref[2:3])
+    assert_close(padded.as_numpy("EMBEDDING"), ref)
 
 
 def test_invalid_utf8_is_a_clean_error(server):
@@ -128,7 +83,7 @@ def test_invalid_utf8_is_a_clean_error(server):
 
 
 def test_checkpoint_resolution_order(checkpoints, monkeypatch, tmp_path):
-    from egemma.server import resolve_checkpoint
+    from egemma.ops.repository import resolve_checkpoint
     monkeypatch.setenv("EMBEDDINGGEMMA_PATH", str(checkpoints["noeos"]))
     assert resolve_checkpoint(str(checkpoints["eos"])) == checkpoints["eos"].resolve()  # --model wins
     assert resolve_checkpoint(None) == checkpoints["noeos"].resolve()

@@ -10,8 +10,8 @@ import time
 import numpy as np
 import tritonclient.grpc as grpcclient
 
-from conftest import make_texts, reference
-from egemma.watchdog import rss_kb, stub_pids
+from helpers import make_texts, reference
+from egemma.ops.procfs import rss_kb, stub_pids
 
 SECONDS = float(os.environ.get("EGEMMA_SOAK_SECONDS", "120"))
 WARMUP = min(max(10.0, 0.2 * SECONDS), SECONDS / 2)

@@ -1,9 +1,9 @@
 """Token ids equal sentence-transformers' for both tokenizer variants (+EOS where the checkpoint omits it)."""
 import pytest
 
-from conftest import UNICODE, expected_ids, make_texts, st_model
-from egemma.config import ModelConfig
-from egemma.tokenizer import PromptError, TextTokenizer
+from helpers import UNICODE, expected_ids, make_texts, st_model
+from egemma.engine.config import ModelConfig
+from egemma.engine.tokenizer import PromptError, TextTokenizer
 
 EDGE = ["", " ", "x", "<eos>", "<bos>", "<pad><unk>", "a <eos> b", "text<eos>", " leading", "trailing ",
         "the a of " * 1500, "kalo " * 5000] + UNICODE
@@ -42,7 +42,7 @@ def test_unknown_prompt_lists_valid_names(checkpoints):
 @pytest.mark.parametrize("variant", ["eos", "noeos"])
 def test_resolved_tokenizer_file_gives_the_same_ids(checkpoints, variant, tmp_path):
     """The serve launcher hands the tokenizer model a pre-resolved tokenizer.json: same ids as resolving it."""
-    from egemma.tokenizer import resolved_tokenizer_json
+    from egemma.engine.tokenizer import resolved_tokenizer_json
     cfg = ModelConfig.load(checkpoints[variant])
     f = tmp_path / "tokenizer.json"
     f.write_text(resolved_tokenizer_json(checkpoints[variant]))
@@ -75,7 +75,8 @@ def test_pieces_give_the_same_ids(checkpoints, source):
     first n ids. Pieces of 8 characters, so nearly every safe cut is taken."""
     import random
     from tokenizers import Tokenizer
-    from egemma.tokenizer import Chunker, resolved_tokenizer_json
+    from egemma.engine.chunker import Chunker
+    from egemma.engine.tokenizer import resolved_tokenizer_json
     raw = glued_bpe() if source == "glued" else resolved_tokenizer_json(checkpoints["eos"])
     chunker, tok = Chunker(raw, chunk_chars=8), Tokenizer.from_str(raw)
     assert chunker.why_not is None
@@ -98,7 +99,7 @@ def test_chunker_refuses_what_it_cannot_prove():
     """A pre-tokenizer that adds characters (ByteLevel's prefix space) or unknowns that fuse over any length
     turn cutting, or its truncation bound, off."""
     import json
-    from egemma.tokenizer import Chunker
+    from egemma.engine.chunker import Chunker
     d = json.loads(glued_bpe())
     assert Chunker(json.dumps(d)).longest is not None
     d["pre_tokenizer"] = {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True}

@@ -1,4 +1,4 @@
-"""Triton adapter: INPUT_IDS [n, L] (+ SEQ_LEN [n, 1]) -> EMBEDDING [n, D] with egemma.runner.Engine.
+"""Triton adapter: INPUT_IDS [n, L] (+ SEQ_LEN [n, 1]) -> EMBEDDING [n, D] with egemma.engine.Engine.
 Every row of every request in the dynamic batch is packed into one varlen token batch; a malformed request
 gets its own error and never fails the others. Request parameters: dimensions (Matryoshka truncation +
 renormalisation), encoding (float -> EMBEDDING, ubinary -> EMBEDDING_UBINARY, binary -> EMBEDDING_BINARY)."""
@@ -7,14 +7,10 @@ import logging
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from egemma.config import triton_params
-from egemma.metrics import Counters
-from egemma.options import OptionError, RequestOptions, allowed_dimensions, check_dimensions, shape_output
-from egemma.runner import Engine, EngineConfig
-
-
-def _invalid(message):
-    return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, pb_utils.TritonError.INVALID_ARG))
+from egemma.engine import Engine, EngineConfig
+from egemma.serving.metrics import Counters
+from egemma.serving.options import OptionError, RequestOptions, allowed_dimensions, check_dimensions, shape_output
+from egemma.serving.triton import Adapter, triton_params
 
 
 class TritonPythonModel:
@@ -26,12 +22,15 @@ class TritonPythonModel:
             params.setdefault("device", f"cuda:{args['model_instance_device_id']}")
         self.engine = Engine(EngineConfig.from_params(checkpoint, params))
         self.dims = allowed_dimensions(dims_spec, self.engine.cfg.out_dim)
+        self.a = Adapter(pb_utils)
         self.counters = Counters(pb_utils, {
             "tokens": "Tokens embedded", "sequences": "Sequences embedded", "executes": "execute() calls",
             "graph_replays": "Forwards replayed from a CUDA graph", "eager_runs": "Forwards run eagerly"})
         self.seen = dict(self.engine.stats)
 
-    def _rows(self, req) -> list[np.ndarray]:
+    def _parse(self, req) -> tuple[RequestOptions, list[np.ndarray]]:
+        opts = RequestOptions.parse(req.parameters())
+        check_dimensions(opts, self.dims)
         ids = pb_utils.get_input_tensor_by_name(req, "INPUT_IDS").as_numpy()
         if ids.ndim != 2:
             raise OptionError(f"INPUT_IDS must be [batch, tokens], got shape {list(ids.shape)}")
@@ -44,59 +43,40 @@ class TritonPythonModel:
         if ids.shape[1] > self.engine.cfg.max_positions:
             raise OptionError(f"sequences of {ids.shape[1]} tokens exceed the model's "
                               f"{self.engine.cfg.max_positions} positions")
-        return [ids[j, :n] for j, n in enumerate(lens.tolist())]
+        return opts, [ids[j, :n] for j, n in enumerate(lens.tolist())]
 
     def _vocab_errors(self, parsed) -> dict[int, str]:
         """{request index: why} for requests with ids outside the vocabulary (padding past SEQ_LEN is never
         embedded, so never checked). One check over the whole batch; only a batch that fails it is checked
-        request by request (~5 us per request saved)."""
-        seqs = [r for *_, rows in parsed for r in rows]
-        if not seqs:
+        request by request."""
+        seqs = [r for _, (_, rows) in parsed for r in rows]
+        flat = np.concatenate(seqs) if seqs else np.zeros(0, np.int32)
+        if not flat.size or (0 <= flat.min() and flat.max() < self.engine.cfg.vocab_size):
             return {}
-        flat = np.concatenate(seqs)
-        if 0 <= flat.min() and flat.max() < self.engine.cfg.vocab_size:
-            return {}
-        bad = {}
-        for i, _, rows in parsed:
-            if rows and (why := self.engine.check(np.concatenate(rows), max(len(r) for r in rows))):
-                bad[i] = why
-        return bad
+        return {i: why for i, (_, rows) in parsed
+                if rows and (why := self.engine.check(np.concatenate(rows), max(len(r) for r in rows)))}
 
     def execute(self, requests):
-        parsed, responses = [], [None] * len(requests)
-        for i, req in enumerate(requests):
-            try:
-                opts = RequestOptions.parse(req.parameters())
-                check_dimensions(opts, self.dims)
-                parsed.append((i, opts, self._rows(req)))
-            except OptionError as e:
-                responses[i] = _invalid(str(e))
-            except Exception as e:  # a bug must cost this request only, never the batch
-                logging.getLogger("egemma").exception("bad request")
-                responses[i] = pb_utils.InferenceResponse(error=pb_utils.TritonError(f"internal error: {e}"))
+        responses, parsed = self.a.parse_each(requests, self._parse)
         try:
-            bad = {i: _invalid(why) for i, why in self._vocab_errors(parsed).items()}
+            bad = self._vocab_errors(parsed)
         except Exception as e:  # unchecked ids must not reach the GPU: fail these requests, not the stub
-            logging.getLogger("egemma").exception("vocabulary check")
-            bad = {i: pb_utils.InferenceResponse(error=pb_utils.TritonError(f"internal error: {e}"))
-                   for i, *_ in parsed}
-        seqs, spans = [], []
-        for i, opts, rows in parsed:
-            if i in bad:
-                responses[i] = bad[i]
-                continue
-            spans.append((i, len(seqs), len(seqs) + len(rows), opts))
-            seqs.extend(rows)
+            bad = {i: e for i, _ in parsed}
+        for i, why in bad.items():
+            responses[i] = self.a.invalid(why) if isinstance(why, str) else self.a.internal(why, "vocabulary check")
+        spans, seqs = [], []
+        for i, (opts, rows) in parsed:
+            if i not in bad:
+                spans.append((i, len(seqs), len(seqs) + len(rows), opts))
+                seqs.extend(rows)
         try:
             emb = self.engine.embed(seqs)
         except Exception as e:  # an engine fault fails this batch's requests cleanly, not the stub
-            logging.getLogger("egemma").exception("engine failure")
-            for i, _, _, _ in spans:
-                responses[i] = pb_utils.InferenceResponse(error=pb_utils.TritonError(f"engine failure: {e}"))
+            for i, *_ in spans:
+                responses[i] = self.a.internal(e, "engine failure")
             return responses
         for i, a, b, opts in spans:
-            name, out = shape_output(emb[a:b], opts)
-            responses[i] = pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(name, out)])
+            responses[i] = self.a.outputs(dict([shape_output(emb[a:b], opts)]))
         self._count(len(seqs))
         return responses
 

@@ -1,5 +1,5 @@
-"""Triton adapter: TEXT -> INPUT_IDS / SEQ_LEN with egemma.tokenizer. All texts of all requests in the dynamic
-batch go through one batched tokenizer call; a bad request gets its own error, the others their ids.
+"""Triton adapter: TEXT -> INPUT_IDS / SEQ_LEN with egemma.engine.tokenizer. All texts of all requests in the
+dynamic batch go through one batched tokenizer call; a bad request gets its own error, the others their ids.
 Request parameters: prompt_name / prompt (prepended, as SentenceTransformer.encode), truncate (false: an
 over-long text is an error); every option is parsed here, so malformed ones fail before tokenising."""
 import time
@@ -7,14 +7,11 @@ import time
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from egemma.config import ModelConfig, triton_params
-from egemma.metrics import Counters
-from egemma.options import OptionError, RequestOptions
-from egemma.tokenizer import PromptError, TextTokenizer
-
-
-def _invalid(message):
-    return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, pb_utils.TritonError.INVALID_ARG))
+from egemma.engine.config import ModelConfig
+from egemma.engine.tokenizer import TextTokenizer
+from egemma.serving.metrics import Counters
+from egemma.serving.options import OptionError, RequestOptions
+from egemma.serving.triton import Adapter, triton_params
 
 
 class TritonPythonModel:
@@ -23,6 +20,7 @@ class TritonPythonModel:
         self.cfg = ModelConfig.load(checkpoint)
         self.tok = TextTokenizer(self.cfg, params.get("tokenizer_json"))
         self.max_text_bytes = int(params.get("max_text_bytes", 1_000_000))
+        self.a = Adapter(pb_utils)
         self.counters = Counters(pb_utils, {"tokenizer_seconds": "Time spent tokenising, seconds",
                                             "texts": "Texts tokenised"})
 
@@ -41,39 +39,46 @@ class TritonPythonModel:
                 raise OptionError(f"text {j} is not valid UTF-8: {e}") from None
         return out, opts
 
+    def _encode(self, parsed, responses) -> list:
+        """Ids per parsed request: one call for all texts; if the tokenizer raises, request by request, so
+        that only the requests it fails on get the error."""
+        try:
+            ids = self.tok.encode([t for _, (texts, _) in parsed for t in texts])
+        except Exception:
+            ids = None
+        out, k = [], 0
+        for i, (texts, _) in parsed:
+            if ids is not None:
+                out.append(ids[k:k + len(texts)])
+                k += len(texts)
+                continue
+            try:
+                out.append(self.tok.encode(texts))
+            except Exception as e:
+                responses[i] = self.a.internal(e, "tokenizer failure")
+                out.append(None)
+        return out
+
+    def _response(self, texts: list[str], rows: list[np.ndarray], opts: RequestOptions):
+        lens = np.array([len(r) for r in rows], dtype=np.int32)
+        if not opts.truncate:  # only texts that reached the limit can have been cut
+            for j in np.flatnonzero(lens == self.tok.max_length):
+                if (n := self.tok.untruncated_length(texts[j])) > self.tok.max_length:
+                    return self.a.invalid(f"text {j} has {n} tokens, over the {self.tok.max_length}-token limit "
+                                          "(truncate=false)")
+        if len(rows) == 1:  # the common single-text request: no padding to do
+            ids = rows[0][None]
+        else:
+            ids = np.full((len(rows), int(lens.max(initial=1))), self.cfg.pad_id, dtype=np.int32)
+            for j, r in enumerate(rows):
+                ids[j, :len(r)] = r
+        return self.a.outputs({"INPUT_IDS": ids, "SEQ_LEN": lens[:, None]})
+
     def execute(self, requests):
         t0 = time.perf_counter()
-        texts, spans, responses = [], [], [None] * len(requests)
-        for i, req in enumerate(requests):
-            try:
-                batch, opts = self._texts(req)
-            except (OptionError, PromptError) as e:
-                responses[i] = _invalid(str(e))
-                continue
-            except Exception as e:  # a bug must cost this request only, never the batch
-                responses[i] = pb_utils.InferenceResponse(error=pb_utils.TritonError(f"internal error: {e}"))
-                continue
-            spans.append((i, len(texts), len(texts) + len(batch), opts.truncate))
-            texts.extend(batch)
-        ids = self.tok.encode(texts)
-        for i, a, b, truncate in spans:
-            rows = ids[a:b]
-            lens = np.array([len(r) for r in rows], dtype=np.int32)
-            if not truncate:  # only texts that reached the limit can have been cut
-                over = [(j, n) for j in np.flatnonzero(lens == self.tok.max_length)
-                        if (n := self.tok.untruncated_length(texts[a + j])) > self.tok.max_length]
-                if over:
-                    j, n = over[0]
-                    responses[i] = _invalid(
-                        f"text {j} has {n} tokens, over the {self.tok.max_length}-token limit (truncate=false)")
-                    continue
-            if len(rows) == 1:  # the common single-text request: no padding to do
-                out = rows[0][None]
-            else:
-                out = np.full((len(rows), int(lens.max(initial=1))), self.cfg.pad_id, dtype=np.int32)
-                for j, r in enumerate(rows):
-                    out[j, :len(r)] = r
-            responses[i] = pb_utils.InferenceResponse(output_tensors=[
-                pb_utils.Tensor("INPUT_IDS", out), pb_utils.Tensor("SEQ_LEN", lens[:, None])])
-        self.counters.add(texts=len(texts), tokenizer_seconds=time.perf_counter() - t0)
+        responses, parsed = self.a.parse_each(requests, self._texts)
+        for (i, (texts, opts)), rows in zip(parsed, self._encode(parsed, responses)):
+            if rows is not None:
+                responses[i] = self._response(texts, rows, opts)
+        self.counters.add(texts=sum(len(t) for _, (t, _) in parsed), tokenizer_seconds=time.perf_counter() - t0)
         return responses

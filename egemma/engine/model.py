@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
-from egemma.config import CheckpointError, ModelConfig
-from kernels import native
-from kernels.select import Ops
+from egemma.engine.config import CheckpointError, ModelConfig
+from egemma.kernels import native
+from egemma.kernels.select import Ops
 
 
 @dataclass

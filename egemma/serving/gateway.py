@@ -14,8 +14,8 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from egemma.config import ModelConfig
-from egemma.tokenizer import TextTokenizer
+from egemma.engine.config import ModelConfig
+from egemma.engine.tokenizer import TextTokenizer
 
 MAX_BATCH = 64  # the ensemble's max_batch_size
 MAX_BODY = 64 << 20

@@ -11,8 +11,8 @@ import time
 import numpy as np
 import torch
 
-from egemma.model import Packed
-from kernels.select import attention_fn
+from egemma.engine.model import Packed
+from egemma.kernels.select import attention_fn
 
 log = logging.getLogger("egemma")
 

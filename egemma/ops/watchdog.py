@@ -29,64 +29,9 @@ import urllib.error
 import urllib.request
 from typing import Callable
 
-STUB = "triton_python_backend_stub"
+from egemma.ops.procfs import cpu_seconds, stopped, stub_pids
+
 TIMED_OUT = "canary timed out"
-
-
-def children(pid: int) -> dict[int, list[str]]:
-    """{child pid: argv} for the live children of pid, read from /proc."""
-    out = {}
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            with open(f"/proc/{d}/stat") as f:
-                stat = f.read()
-            with open(f"/proc/{d}/cmdline", "rb") as f:
-                argv = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
-        except OSError:  # exited while we looked
-            continue
-        fields = stat.rsplit(")", 1)[1].split()  # after "(comm)", which may hold spaces
-        if int(fields[1]) == pid and fields[0] != "Z" and argv:
-            out[int(d)] = argv
-    return out
-
-
-def stub_pids(server_pid: int) -> dict[int, str]:
-    """{pid: model.py path} of the Python backend stubs of a tritonserver process."""
-    return {p: argv[1] if len(argv) > 1 else "" for p, argv in children(server_pid).items()
-            if os.path.basename(argv[0]) == STUB}
-
-
-def stopped(pid: int) -> bool:
-    """Whether pid is stopped by a signal (state T in proc(5); not t, a tracer's brief pause such as py-spy's)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "T"
-    except OSError:  # gone: the liveness check reports that
-        return False
-
-
-def rss_kb(pid: int) -> int:
-    """Resident memory of pid in kB, -1 if it is gone."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
-    except OSError:
-        return -1
-
-
-def cpu_seconds(pid: int) -> float:
-    """CPU time used so far by pid and its children (the stubs)."""
-    total = 0
-    for p in (pid, *children(pid)):
-        try:
-            with open(f"/proc/{p}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14, 15 of proc(5))
-        except OSError:
-            pass
-    return total / os.sysconf("SC_CLK_TCK")
 
 
 def canary(http_url: str, model: str = "embeddinggemma", timeout: float = 5.0) -> str | None:
@@ -123,7 +68,7 @@ def completed(http_url: str, timeout: float = 1.0) -> int | None:
 
 
 class Watchdog:
-    """Runs `start()` (which returns a ready egemma.server.TritonServer) and keeps it serving.
+    """Runs `start()` (which returns a ready egemma.ops.tritonserver.TritonServer) and keeps it serving.
     `events` records (time.monotonic() when noticed, reason, seconds until serving again or None if the restart
     failed) for every restart; `busy` counts canary timeouts excused because the server was computing."""
 

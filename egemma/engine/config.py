@@ -132,16 +132,3 @@ def _sentence_transformers_modules(path: Path) -> dict:
     out["dense"] = tuple(dense)
     out["normalize"] = normalize
     return out
-
-
-def triton_params(model_config_json: str) -> tuple[str, dict[str, str]]:
-    """(checkpoint, other string parameters) of a Triton model config. An empty checkpoint parameter falls
-    back to $EMBEDDINGGEMMA_PATH, read once here at load."""
-    import os
-    cfg = json.loads(model_config_json)
-    params = {k: v.get("string_value", "") for k, v in cfg.get("parameters", {}).items()}
-    ckpt = params.pop("checkpoint", "") or os.environ.get("EMBEDDINGGEMMA_PATH", "")
-    if not ckpt:
-        raise CheckpointError(f"model {cfg.get('name')}: no checkpoint: set the 'checkpoint' parameter in its "
-                              "config.pbtxt or EMBEDDINGGEMMA_PATH (scripts/serve.sh does this for you)")
-    return ckpt, {k: v for k, v in params.items() if v != ""}

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from egemma.config import ModelConfig
-from egemma.model import Encoder, Packed
-from kernels.select import ATTENTION_BACKENDS, attention_fn, available_attention_backends, make_ops
+from egemma.engine.config import ModelConfig
+from egemma.engine.model import Encoder, Packed
+from egemma.kernels.select import ATTENTION_BACKENDS, attention_fn, available_attention_backends, make_ops
 
 log = logging.getLogger("egemma")
 
@@ -71,7 +71,7 @@ class Engine:
                  self.device, dtype, self.ops.name, self.attn_candidates, time.perf_counter() - t0)
         self.graphs = None
         if self.device.type == "cuda":
-            from egemma.graphs import GraphRunner
+            from egemma.engine.graphs import GraphRunner
             self.graphs = GraphRunner(self, capture=ec.cuda_graphs)
         self.stats = {"graph_replays": 0, "eager_runs": 0, "tokens": 0}
 

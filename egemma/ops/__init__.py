@@ -1,0 +1,1 @@
+"""Running it: the launcher, the rendered model repository, the tritonserver process, the watchdog and /proc."""

@@ -1,0 +1,113 @@
+"""Start the real `tritonserver` on this repository's model_repository for a given checkpoint.
+
+  python -m egemma.ops.launcher [--model DIR] [--host 127.0.0.1] [--http-port 8000] [--grpc-port 8001]
+                          [--metrics-port 8002] [--admin-key KEY] [--exit-timeout-secs 30] [--no-watchdog]
+                          [--watchdog-max-busy 120]
+                          [--openai-port 8080] [--param KEY=VALUE ...] [--instances MODEL=N ...]
+
+The model repository is rendered into a run directory with the checkpoint path written into the configs
+(the source tree is never modified), the server is started with this Python environment first on PATH (the
+Python backend stub follows PATH), readiness is awaited, and the endpoints are printed.
+
+Safe defaults: loopback only unless --host; no model loading/unloading through the API (model control mode
+none); the model-repository, shared-memory, trace and logging APIs answer only requests with the HTTP header
+`admin-key: KEY` (gRPC: metadata `triton-grpc-protocol-admin-key: KEY`; KEY is printed at start); SIGTERM
+drains in-flight requests for up to --exit-timeout-secs; a watchdog (egemma.ops.watchdog) restarts the server when
+a model stops answering, since Triton does not restart a crashed Python backend stub and keeps reporting
+ready."""
+
+import argparse
+import os
+import secrets
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from egemma.ops.repository import ROOT, resolve_checkpoint
+from egemma.ops.tritonserver import ADMIN_APIS, ADMIN_HEADER, TritonServer
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help="checkpoint directory (default: $EMBEDDINGGEMMA_PATH, then the HF hub)")
+    ap.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
+    ap.add_argument("--http-port", type=int, default=8000)
+    ap.add_argument("--grpc-port", type=int, default=8001)
+    ap.add_argument("--metrics-port", type=int, default=8002)
+    ap.add_argument("--run-dir", type=Path, default=ROOT / ".run", help="where the rendered repository goes")
+    ap.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
+                    help="model parameter, e.g. attention_backend=fa2 (repeatable)")
+    ap.add_argument("--instances", action="append", default=[], metavar="MODEL=N",
+                    help="instance count of a model, e.g. embeddinggemma_encoder=2 (repeatable; default: "
+                         "model_repository's configs on a GPU host, encoder 1 / tokenizer 2 without a GPU)")
+    ap.add_argument("--admin-key", default=os.environ.get("EGEMMA_ADMIN_KEY"),
+                    help=f"value of the '{ADMIN_HEADER}' header that the {ADMIN_APIS} APIs require "
+                         "(default: $EGEMMA_ADMIN_KEY, else random, printed at start)")
+    ap.add_argument("--exit-timeout-secs", type=int, default=30,
+                    help="on SIGTERM, how long in-flight requests may take to finish (default 30)")
+    ap.add_argument("--openai-port", type=int, help="also serve an OpenAI-compatible POST /v1/embeddings here")
+    ap.add_argument("--watchdog", action=argparse.BooleanOptionalAction, default=True,
+                    help="restart the server when a canary inference fails or a model process dies (default on)")
+    ap.add_argument("--watchdog-max-busy", type=float, default=120.0, metavar="SECONDS",
+                    help="restart when canaries time out while the server is busy and no request completes for "
+                         "this long: a model is spinning (default 120)")
+    a = ap.parse_args(argv)
+    ckpt = resolve_checkpoint(a.model)
+    params = dict(p.split("=", 1) for p in a.param)
+    instances = {m: int(n) for m, n in (p.split("=", 1) for p in a.instances)}
+    key = a.admin_key or secrets.token_urlsafe(16)
+
+    def start():
+        return TritonServer(ckpt, a.host, a.http_port, a.grpc_port, a.metrics_port, a.run_dir, params,
+                            admin_key=key, exit_timeout_secs=a.exit_timeout_secs, instances=instances)
+
+    # The handler only flags (set before starting, so an early SIGTERM is not lost); the main loop stops the
+    # server, which waits for in-flight requests, something a signal handler should not do.
+    done = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: done.set())
+    print(f"starting tritonserver for {ckpt} ...", flush=True)
+    if a.watchdog:
+        from egemma.ops.watchdog import Watchdog
+        supervisor = Watchdog(start, max_busy=a.watchdog_max_busy).start()
+    else:
+        supervisor = start()
+    h = "127.0.0.1" if a.host in ("0.0.0.0", "::") else a.host
+    gateway = None
+    if a.openai_port:
+        from egemma.serving.gateway import make_server
+        gateway = make_server(a.host, a.openai_port, f"{h}:{a.grpc_port}", ckpt, str(a.run_dir / "tokenizer.json"))
+        threading.Thread(target=gateway.serve_forever, daemon=True).start()
+    print(f"""
+ready: model 'embeddinggemma' (checkpoint {ckpt})
+  HTTP    http://{h}:{a.http_port}
+  gRPC    {h}:{a.grpc_port}
+  metrics http://{h}:{a.metrics_port}/metrics
+  admin   the {ADMIN_APIS} APIs need HTTP header '{ADMIN_HEADER}: {key}'
+          (gRPC metadata 'triton-grpc-protocol-{ADMIN_HEADER}: {key}')
+  watchdog {'on' if a.watchdog else 'off'}; SIGTERM drains in-flight requests for up to {a.exit_timeout_secs}s
+  openai  {f'http://{h}:{a.openai_port}/v1/embeddings' if gateway else 'off (--openai-port N)'}
+
+  curl -s http://{h}:{a.http_port}/v2/models/embeddinggemma/infer -d \\
+    '{{"inputs":[{{"name":"TEXT","shape":[1,1],"datatype":"BYTES","data":["hello world"]}}]}}'
+
+  python -c "import numpy as np, tritonclient.grpc as g; c = g.InferenceServerClient('{h}:{a.grpc_port}'); \\
+i = g.InferInput('TEXT', [1, 1], 'BYTES'); i.set_data_from_numpy(np.array([[b'hello world']], dtype=object)); \\
+print(c.infer('embeddinggemma', [i]).as_numpy('EMBEDDING'))"
+""", flush=True)
+    rc = 0
+    try:
+        while not done.wait(0.5):
+            if not a.watchdog and supervisor.proc.poll() is not None:  # unsupervised, a dead server ends it all
+                rc = supervisor.proc.returncode
+                break
+    except KeyboardInterrupt:
+        pass
+    if gateway:
+        gateway.shutdown()
+    supervisor.stop()
+    sys.exit(rc)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""What /proc says about the server's processes: children and their argv, state, resident memory, CPU time.
+One parser of /proc/PID/stat serves them all."""
+from __future__ import annotations
+
+import os
+
+STUB = "triton_python_backend_stub"
+
+
+def stat(pid: int) -> list[str] | None:
+    """Fields of /proc/PID/stat after "(comm)" (which may hold spaces): state is [0], ppid [1], utime [11],
+    stime [12] (fields 3, 4, 14, 15 of proc(5)); None if pid is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
+def argv(pid: int) -> list[str]:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+    except OSError:
+        return []
+
+
+def children(pid: int) -> dict[int, list[str]]:
+    """{child pid: argv} for the live (not zombie) children of pid."""
+    out = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit() and (s := stat(int(d))) and int(s[1]) == pid and s[0] != "Z" and (a := argv(int(d))):
+            out[int(d)] = a
+    return out
+
+
+def stub_pids(server_pid: int) -> dict[int, str]:
+    """{pid: model.py path} of the Python backend stubs of a tritonserver process."""
+    return {p: a[1] if len(a) > 1 else "" for p, a in children(server_pid).items() if os.path.basename(a[0]) == STUB}
+
+
+def stopped(pid: int) -> bool:
+    """Whether pid is stopped by a signal (state T; not t, a tracer's brief pause such as py-spy's)."""
+    s = stat(pid)
+    return s is not None and s[0] == "T"
+
+
+def gone(pid: int) -> bool:
+    """Exited: reaped, or a zombie waiting for its parent."""
+    s = stat(pid)
+    return s is None or s[0] == "Z"
+
+
+def rss_kb(pid: int) -> int:
+    """Resident memory of pid in kB, -1 if it is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+    except OSError:
+        return -1
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU time used so far by pid and its children (the stubs)."""
+    ticks = sum(int(s[11]) + int(s[12]) for p in (pid, *children(pid)) if (s := stat(p)))
+    return ticks / os.sysconf("SC_CLK_TCK")

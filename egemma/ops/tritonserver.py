@@ -1,0 +1,153 @@
+"""The real `tritonserver` process: finding the binary (PATH, $TRITON_SERVER_DIR or the nvidia-pytriton wheel),
+starting it on a rendered repository with the stub's Python environment first on PATH, readiness, and a
+graceful stop."""
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from egemma.engine.tokenizer import resolved_tokenizer_json
+from egemma.ops.repository import REPO, render_repository
+
+# Admin-only APIs: with them a client could read the repository layout, map shared memory, or redirect traces
+# and logs to files. Inference, health, metadata, config and statistics stay open.
+ADMIN_APIS = "model-repository,shared-memory,trace,logging"
+ADMIN_HEADER = "admin-key"
+# Instance counts without a GPU (TritonServer): each encoder instance is a CPU forward of its own.
+CPU_INSTANCES = {"embeddinggemma_encoder": 1, "embeddinggemma_tokenizer": 2}
+
+
+def gpu_host() -> bool:
+    """Whether this machine has an NVIDIA GPU (without importing torch)."""
+    return os.path.exists("/dev/nvidiactl")
+
+
+def find_tritonserver() -> tuple[Path, Path]:
+    """(tritonserver binary, backend directory): $TRITON_SERVER_DIR, a `tritonserver` on PATH, or the one in
+    the nvidia-pytriton wheel (with the Python backend stub for this interpreter copied in place)."""
+    if os.environ.get("TRITON_SERVER_DIR"):
+        d = Path(os.environ["TRITON_SERVER_DIR"])
+        return d / "bin" / "tritonserver", d / "backends"
+    on_path = shutil.which("tritonserver")
+    if on_path:
+        d = Path(on_path).resolve().parent.parent
+        return Path(on_path), d / "backends"
+    try:
+        import pytriton
+    except ImportError:
+        raise SystemExit("no tritonserver: none on PATH and nvidia-pytriton is not installed (run scripts/setup.sh)")
+    d = Path(pytriton.__file__).parent / "tritonserver"
+    stub = d / "backends" / "python" / "triton_python_backend_stub"
+    src = d / "python_backend_stubs" / f"{sys.version_info.major}.{sys.version_info.minor}" / stub.name
+    if not stub.exists():
+        if not src.exists():
+            raise SystemExit(f"nvidia-pytriton has no Python backend stub for Python {sys.version_info[:2]}")
+        shutil.copy2(src, stub)
+    return d / "bin" / "tritonserver", d / "backends"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class TritonServer:
+    """A running tritonserver; `with TritonServer(...) as s:` waits until it is ready and stops it after."""
+
+    def __init__(self, checkpoint: Path, host="127.0.0.1", http_port=8000, grpc_port=8001, metrics_port=8002,
+                 run_dir: Path | None = None, params: dict[str, str] | None = None, log_file=None,
+                 extra_args=(), ready_timeout=600.0, repository: Path = REPO, admin_key: str | None = None,
+                 exit_timeout_secs: int = 30, instances: dict[str, int] | None = None, stub_bin: str | None = None):
+        """instances: {model: count} over the repository's counts (without a GPU, over CPU_INSTANCES first: the
+        repository's are for a GPU host, and on CPU each encoder instance is a forward competing for the cores).
+        stub_bin: the bin directory of the Python environment the stubs run (default $TRITON_STUB_PATH, else
+        this interpreter's)."""
+        self.host, self.http_port, self.grpc_port, self.metrics_port = host, http_port, grpc_port, metrics_port
+        # No key given: a random one, so the admin APIs are never open by accident.
+        self.admin_key = admin_key or secrets.token_urlsafe(16)
+        self.exit_timeout_secs = exit_timeout_secs
+        self.run_dir = Path(run_dir or tempfile.mkdtemp(prefix="egemma-run-"))
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        tokenizer_json = self.run_dir / "tokenizer.json"
+        tokenizer_json.write_text(resolved_tokenizer_json(checkpoint))
+        params = {"tokenizer_json": str(tokenizer_json), **(params or {})}
+        if not gpu_host() and repository == REPO:
+            instances = {**CPU_INSTANCES, **(instances or {})}
+        self.repo = render_repository(self.run_dir / "model_repository", checkpoint, params, repository,
+                                      optional=("tokenizer_json",), instances=instances)
+        binary, backends = find_tritonserver()
+        self.cmd = [str(binary), f"--model-repository={self.repo}", f"--backend-directory={backends}",
+                    "--model-control-mode=none", "--exit-on-error=true", "--strict-readiness=true",
+                    f"--http-address={host}", f"--http-port={http_port}", f"--grpc-address={host}",
+                    f"--grpc-port={grpc_port}", f"--metrics-address={host}", f"--metrics-port={metrics_port}",
+                    f"--http-restricted-api={ADMIN_APIS}:{ADMIN_HEADER}={self.admin_key}",
+                    f"--grpc-restricted-protocol={ADMIN_APIS}:{ADMIN_HEADER}={self.admin_key}",
+                    f"--exit-timeout-secs={exit_timeout_secs}", *extra_args]
+        env = dict(os.environ)
+        # The stub runs the Python whose bin is first on PATH: this one, or $TRITON_STUB_PATH (a numpy<2 venv).
+        stub_bin = stub_bin or os.environ.get("TRITON_STUB_PATH") or str(Path(sys.executable).parent)
+        env["PATH"] = f"{stub_bin}{os.pathsep}{env.get('PATH', '')}"
+        # The stub links libpython dynamically; let it find this interpreter's own (its lib-dynload modules
+        # need the matching patch release, not whatever the system ships).
+        libdir = sysconfig.get_config_var("LIBDIR")
+        if libdir and list(Path(libdir).glob("libpython3*.so*")):
+            env["LD_LIBRARY_PATH"] = f"{libdir}{os.pathsep}{env.get('LD_LIBRARY_PATH', '')}".rstrip(os.pathsep)
+        self.log_file = log_file
+        self.proc = subprocess.Popen(self.cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        self.wait_ready(ready_timeout)
+
+    @property
+    def http_url(self) -> str:
+        return f"{self.host}:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"{self.host}:{self.grpc_port}"
+
+    def ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=2) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    def wait_ready(self, timeout: float):
+        deadline = time.monotonic() + timeout
+        while not self.ready():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"tritonserver exited with {self.proc.returncode} before becoming ready; "
+                                   f"command: {' '.join(self.cmd)}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise TimeoutError(f"tritonserver not ready after {timeout:.0f}s")
+            time.sleep(0.2)  # readiness polling; the condition itself is checked above
+
+    def stop(self, timeout: float | None = None):
+        """SIGTERM (Triton stops taking requests and finishes those in flight for up to exit_timeout_secs), then
+        SIGKILL for the whole process group if it is still running after timeout (default: that plus 30 s)."""
+        timeout = self.exit_timeout_secs + 30 if timeout is None else timeout
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()

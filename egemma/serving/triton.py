@@ -1,0 +1,61 @@
+"""What both Python-backend adapters (model_repository/*/1/model.py) share: their config.pbtxt parameters read
+once, and one response per request with errors as pb_utils.TritonError carrying a code, so a bad request
+costs only itself and never the dynamic batch it came in."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Any, Callable
+
+from egemma.engine.config import CheckpointError
+from egemma.engine.tokenizer import PromptError
+from egemma.serving.options import OptionError
+
+log = logging.getLogger("egemma")
+CLIENT_ERRORS = (OptionError, PromptError)  # the request is at fault: INVALID_ARG with the message
+
+
+def triton_params(model_config_json: str) -> tuple[str, dict[str, str]]:
+    """(checkpoint, other non-empty string parameters) of a Triton model config. An empty checkpoint parameter
+    falls back to $EMBEDDINGGEMMA_PATH, read once here at load."""
+    cfg = json.loads(model_config_json)
+    params = {k: v.get("string_value", "") for k, v in cfg.get("parameters", {}).items()}
+    ckpt = params.pop("checkpoint", "") or os.environ.get("EMBEDDINGGEMMA_PATH", "")
+    if not ckpt:
+        raise CheckpointError(f"model {cfg.get('name')}: no checkpoint: set the 'checkpoint' parameter in its "
+                              "config.pbtxt or EMBEDDINGGEMMA_PATH (scripts/serve.sh does this for you)")
+    return ckpt, {k: v for k, v in params.items() if v != ""}
+
+
+class Adapter:
+    """Response helpers bound to the stub's triton_python_backend_utils module (passed in, so that this module
+    imports without Triton)."""
+
+    def __init__(self, pb_utils):
+        self.pb = pb_utils
+
+    def invalid(self, message: str):
+        return self.pb.InferenceResponse(error=self.pb.TritonError(message, self.pb.TritonError.INVALID_ARG))
+
+    def internal(self, exc: BaseException, what: str = "internal error"):
+        """A fault of ours: logged with its traceback, reported to that request only."""
+        log.error("%s: %s", what, exc, exc_info=exc)
+        return self.pb.InferenceResponse(error=self.pb.TritonError(f"{what}: {exc}", self.pb.TritonError.INTERNAL))
+
+    def error(self, exc: BaseException, what: str = "internal error"):
+        return self.invalid(str(exc)) if isinstance(exc, CLIENT_ERRORS) else self.internal(exc, what)
+
+    def outputs(self, tensors: dict[str, Any]):
+        return self.pb.InferenceResponse(output_tensors=[self.pb.Tensor(k, v) for k, v in tensors.items()])
+
+    def parse_each(self, requests, parse: Callable) -> tuple[list, list[tuple[int, Any]]]:
+        """(responses: None, or the error response of each request parse(request) raised for;
+        [(index, parsed)] of the others)."""
+        responses, parsed = [None] * len(requests), []
+        for i, req in enumerate(requests):
+            try:
+                parsed.append((i, parse(req)))
+            except Exception as e:  # a bad request, or a bug: either way it costs this request only
+                responses[i] = self.error(e)
+        return responses, parsed

@@ -1,0 +1,144 @@
+"""What the tests share: generated texts, the sentence-transformers references every answer is compared with, one
+tolerance, request builders for both clients, a concurrent request driver, and waiting on a condition."""
+import queue
+import random
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import tritonclient.grpc as grpcclient
+
+ROOT = Path(__file__).resolve().parent.parent
+TOL = 1e-5  # fp32 on CPU: every served embedding equals sentence-transformers' to this, element by element
+WORDS = ("the a of to and in is it for on with as was at by search result query text title none task "
+         "kalo mine rusa tivo zequ than erin onst kami lovo").split()
+UNICODE = ["Grüße aus Köln", "naïve café", "日本語のテキスト", "emoji 🚀🔥", "Ωmega ∑ ∫", "tab\tand\nnewline"]
+
+
+def make_texts(n: int, max_words: int, seed: int = 0) -> list[str]:
+    """n texts from 0 to max_words words (~1-2 tokens each), with unicode and literal special tokens mixed in."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        words = [rng.choice(WORDS) for _ in range(int(max_words * i / max(n - 1, 1)))]
+        if i % 5 == 1:
+            words.insert(rng.randint(0, len(words)), rng.choice(UNICODE))
+        if i % 7 == 3:
+            words.insert(rng.randint(0, len(words)), rng.choice(["<eos>", "<bos>", "<pad>", "<unk>"]))
+        out.append(" ".join(words))
+    return out
+
+
+def cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return (a * b).sum(-1) / np.linalg.norm(a, axis=-1) / np.linalg.norm(b, axis=-1)
+
+
+def assert_close(got, ref, tol=TOL):
+    """The one check of a served embedding against its reference: shape, fp32, finite, cosine >= 1 - tol and no
+    element off by more than tol."""
+    assert got.shape == ref.shape and got.dtype == np.float32, (got.shape, ref.shape, got.dtype)
+    assert np.isfinite(got).all()
+    assert cosine(got, ref).min() >= 1 - tol and np.abs(got - ref).max() <= tol
+
+
+_st_cache: dict = {}
+
+
+def st_model(path: Path):
+    from sentence_transformers import SentenceTransformer
+    if path not in _st_cache:
+        _st_cache[path] = SentenceTransformer(str(path), device="cpu")
+    return _st_cache[path]
+
+
+def st_ids(model, texts: list[str], **kw) -> list[list[int]]:
+    """Token ids exactly as sentence-transformers builds them (prompt kwargs as for encode)."""
+    prompt = kw.get("prompt")
+    if kw.get("prompt_name"):
+        prompt = model.prompts[kw["prompt_name"]]
+    f = model.tokenize([(prompt or "") + t for t in texts])
+    return [r[:int(m.sum())].tolist() for r, m in zip(f["input_ids"], f["attention_mask"])]
+
+
+def st_embed_ids(model, seqs: list[list[int]]) -> np.ndarray:
+    """sentence-transformers' modules (Transformer, Pooling, Dense, Normalize) on given id sequences."""
+    out = []
+    for s in seqs:  # one at a time: no padding, nothing to differ by
+        feats = {"input_ids": torch.tensor([s]), "attention_mask": torch.ones(1, len(s), dtype=torch.long),
+                 "modality": "text"}
+        with torch.inference_mode():
+            out.append(model(feats)["sentence_embedding"][0].float().numpy())
+    return np.stack(out)
+
+
+def eos_added(model) -> bool:
+    return model.tokenizer("a")["input_ids"][-1] == model.tokenizer.eos_token_id
+
+
+def expected_ids(model, texts: list[str], **kw) -> list[list[int]]:
+    """sentence-transformers' ids, with EOS appended (truncating to keep it last) where its tokenizer omits it."""
+    ids = st_ids(model, texts, **kw)
+    if eos_added(model):
+        return ids
+    return [s[:model.max_seq_length - 1] + [model.tokenizer.eos_token_id] for s in ids]
+
+
+def reference(path: Path, texts: list[str], **kw) -> np.ndarray:
+    """What a served embedding must equal: SentenceTransformer.encode; for a checkpoint whose tokenizer omits
+    EOS, the same modules on `expected_ids`."""
+    m = st_model(path)
+    if eos_added(m):
+        return m.encode(texts, convert_to_numpy=True, **kw)
+    return st_embed_ids(m, expected_ids(m, texts, **kw))
+
+
+def text_input(texts, mod=grpcclient):
+    """TEXT [n, 1] from str (UTF-8 encoded) or raw bytes (sent as they are)."""
+    i = mod.InferInput("TEXT", [len(texts), 1], "BYTES")
+    i.set_data_from_numpy(np.array([[t if isinstance(t, bytes) else t.encode()] for t in texts],
+                                   dtype=object).reshape(len(texts), 1))
+    return i
+
+
+def raw_input(name, datatype, arr):
+    """An input of any name, datatype and shape, as a client could send it."""
+    i = grpcclient.InferInput(name, list(arr.shape), datatype)
+    i.set_data_from_numpy(arr)
+    return i
+
+
+def ids_input(rows, seq_len=None, pad=0):
+    L = max(len(r) for r in rows)
+    ids = np.full((len(rows), L), pad, dtype=np.int32)
+    for j, r in enumerate(rows):
+        ids[j, :len(r)] = r
+    i = grpcclient.InferInput("INPUT_IDS", list(ids.shape), "INT32")
+    i.set_data_from_numpy(ids)
+    inputs = [i]
+    if seq_len is not False:
+        s = grpcclient.InferInput("SEQ_LEN", [len(rows), 1], "INT32")
+        s.set_data_from_numpy(np.array([[len(r)] for r in rows], dtype=np.int32))
+        inputs.append(s)
+    return inputs
+
+
+def fire_concurrently(c, jobs, parameters=None, timeout=120):
+    """jobs: [(model, inputs)]; all sent at once with async_infer (with per-job request parameters if given);
+    returns [(result, error)] in job order."""
+    done = queue.Queue()
+    for k, (model, inputs) in enumerate(jobs):
+        c.async_infer(model, inputs, callback=lambda result, error, k=k: done.put((k, result, error)),
+                      parameters=parameters[k] if parameters else None, client_timeout=timeout)
+    out = [None] * len(jobs)
+    for _ in jobs:
+        k, r, e = done.get(timeout=timeout + 10)
+        out[k] = (r, e)
+    return out
+
+
+def wait_for(cond, timeout, what):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)  # polling interval; the condition itself is what is waited on
