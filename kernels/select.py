@@ -1,8 +1,8 @@
-"""Backend choice, made once at load and logged. Elementwise ops: sgl-kernel > Triton-lang > torch-native.
-Attention: FA3 (flash_attn_interface) / torch's built-in FA2 / native SDPA; the engine times the candidates
-per token bucket and layer type and keeps the fastest. Every choice computes the same function as
-`kernels.native` up to bf16 rounding; asking for a backend that is not installed is an error, never a
-silent fallback."""
+"""Backend choice, made once at load by timing and logged: all autotuning lives here, with one timer. Elementwise
+ops: sgl-kernel / Triton-lang / torch-native, the fastest per op. Attention: FA3 (flash_attn_interface) / torch's
+built-in FA2 / native SDPA, the fastest per CUDA graph and layer type. Every choice computes the same function as
+`kernels.native` up to bf16 rounding; asking for a backend that is not installed is an error, never a silent
+fallback."""
 from __future__ import annotations
 
 import importlib.util
@@ -71,23 +71,34 @@ def _backend_ops(backend: str) -> dict[str, Callable]:
     return dict(rmsnorm=rmsnorm, norm_add_norm=norm_add_norm, gelu_tanh_and_mul=gelu_tanh_and_mul)
 
 
-def _time_ms(f, *args, reps=10) -> float:
-    for _ in range(2):
-        f(*args)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
+def time_ms(fn, *args, reps: int = 5, inner: int = 5, capture: bool = True) -> float:
+    """Median GPU time of one fn(*args) in ms, by CUDA events around replays of a graph of `inner` calls: the
+    forward runs as graph replays, and eager timing would rank by launch overhead instead. capture=False times
+    fn itself (something that replays a graph already)."""
+    fn(*args)  # lazy initialisation and workspace allocation stay out of the graph
+    if capture:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(inner):
+                fn(*args)
+        run, per = g.replay, inner
+    else:
+        run, per = (lambda: fn(*args)), 1
+    runs = []
     for _ in range(reps):
-        f(*args)
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / reps
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        runs.append(start.elapsed_time(end) / per)
+    return sorted(runs)[len(runs) // 2]
 
 
 def make_ops(backend: str, device: torch.device, dtype=torch.bfloat16, hidden=768, intermediate=1152,
              tokens=16384) -> Ops:
     """backend: one of NORM_BACKENDS for every op, or 'auto': on CUDA each op takes the fastest available
-    backend, timed here on [tokens, hidden] data (measured on the H200: Triton's one-pass norm_add_norm beats
-    two sgl-kernel norms, sgl-kernel's gelu_tanh_and_mul beats Triton's)."""
+    backend, timed here on [tokens, hidden] data."""
     have = available_norm_backends(device)
     if backend != "auto" and backend not in have:
         raise RuntimeError(f"norm backend {backend!r} is not available on {device} (available: {have})")
@@ -106,7 +117,7 @@ def make_ops(backend: str, device: torch.device, dtype=torch.bfloat16, hidden=76
     cands = {b: _backend_ops(b) for b in have}
     chosen, names = {}, []
     for op, a in args.items():
-        times = {b: _time_ms(cands[b][op], *a) for b in have}
+        times = {b: time_ms(cands[b][op], *a) for b in have}
         best = min(times, key=times.get)
         chosen[op] = cands[best][op]
         names.append(f"{op}={best}")
@@ -133,3 +144,12 @@ def attention_fn(backend: str) -> Callable:
                 window_size_left=w, window_size_right=w)[0]
         return fa2
     raise ValueError(f"unknown attention backend {backend!r} (choose from {ATTENTION_BACKENDS})")
+
+
+def pick_attention(cands: list[str], q, k, v, cu_seqlens, max_seqlen: int, window: int, scale: float) -> str:
+    """The fastest of the candidate backends on these inputs. Time them on q / k / v exactly as the forward
+    makes them (v a strided view of the qkv GEMM output): on other layouts the ranking came out differently."""
+    if len(cands) == 1:
+        return cands[0]
+    times = {name: time_ms(attention_fn(name), q, k, v, cu_seqlens, max_seqlen, window, scale) for name in cands}
+    return min(times, key=times.get)

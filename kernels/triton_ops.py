@@ -82,8 +82,8 @@ def _mean_pool_kernel(x_ptr, cu_ptr, out_ptr, D, sx, BLOCK_R: tl.constexpr, BLOC
 
 
 def mean_pool(x, cu_seqlens, n):
-    """As native.mean_pool, reading only the sequences' own rows: one program per sequence and 64 columns (the
-    one-hot matmul it replaces ran in fp32 over every slot of a graph, 0.13 ms at 16k tokens)."""
+    """As native.mean_pool, reading only the sequences' own rows (the reference's one-hot matmul reads every slot
+    of a graph): one program per sequence and 64 columns."""
     out = torch.empty((n, x.shape[1]), dtype=torch.float32, device=x.device)
     if n:
         _mean_pool_kernel[(n, triton.cdiv(x.shape[1], 64))](x, cu_seqlens, out, x.shape[1], x.stride(0),

@@ -11,6 +11,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from egemma.engine import Engine, EngineConfig
+from egemma.kernels.select import time_ms
 
 GROUPS = [("attention", ("flash", "fmha", "attn")), ("gemm", ("gemm", "sm90", "cutlass", "cublas", "nvjet")),
           ("norm", ("rmsnorm", "norm")), ("activation", ("gelu",)), ("rope", ("qk_norm_rope",)),
@@ -53,14 +54,7 @@ def profile_backend(checkpoint, backend, batches):
             if e.device_type == torch.autograd.DeviceType.CUDA:
                 per[group(e.name)] += e.device_time / 5 / 1e3
                 top[e.name[:90]] += e.device_time / 5 / 1e3
-        g, out = eng.graphs.graphs[t]
-        s, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        for _ in range(20):
-            g.replay()
-        en.record()
-        en.synchronize()
-        replay = s.elapsed_time(en) / 20
+        replay = time_ms(eng.graphs.graphs[t][0].replay, reps=20, capture=False)
         t0 = time.perf_counter()
         for _ in range(20):
             eng.embed(seqs)

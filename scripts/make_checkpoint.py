@@ -20,6 +20,9 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
+from egemma.engine import weights
+from egemma.engine.config import ModelConfig
+
 SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>"]  # Gemma's ids 0-4
 PROMPTS = {  # as in google/embeddinggemma-300m
     "query": "task: search result | query: ", "document": "title: none | text: ",
@@ -100,8 +103,7 @@ def main(argv=None):
         **shape}
     (a.dest / "config.json").write_text(json.dumps(config, indent=2))
 
-    D, I, Dh = shape["hidden_size"], shape["intermediate_size"], shape["head_dim"]
-    H, K, V = shape["num_attention_heads"], shape["num_key_value_heads"], shape["vocab_size"]
+    D = shape["hidden_size"]
 
     def lin(o, i):  # random weights at a scale that keeps activations O(1) through the layers
         return torch.randn(o, i) / i ** 0.5
@@ -109,17 +111,12 @@ def main(argv=None):
     def nw(d):
         return 0.3 * torch.randn(d)
 
-    w = {"embed_tokens.weight": torch.randn(V, D) * 0.05, "norm.weight": nw(D)}
-    for i in range(n):
-        p = f"layers.{i}."
-        w.update({p + "self_attn.q_proj.weight": lin(H * Dh, D), p + "self_attn.k_proj.weight": lin(K * Dh, D),
-                  p + "self_attn.v_proj.weight": lin(K * Dh, D), p + "self_attn.o_proj.weight": lin(D, H * Dh),
-                  p + "self_attn.q_norm.weight": nw(Dh), p + "self_attn.k_norm.weight": nw(Dh),
-                  p + "mlp.gate_proj.weight": lin(I, D), p + "mlp.up_proj.weight": lin(I, D),
-                  p + "mlp.down_proj.weight": lin(D, I)})
-        for k in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
-                  "post_feedforward_layernorm"):
-            w[p + k + ".weight"] = nw(D)
+    def init(name, dims):
+        if name == "embed_tokens.weight":
+            return torch.randn(*dims) * 0.05
+        return lin(*dims) if len(dims) == 2 else nw(*dims)
+
+    w = {name: init(name, dims) for name, dims in weights.expected(ModelConfig.load(a.dest)).items()}
     save_file({k: v.contiguous() for k, v in w.items()}, str(a.dest / "model.safetensors"))
 
     if a.tokenizer_from:

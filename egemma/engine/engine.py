@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from egemma.engine.config import ModelConfig
+from egemma.engine.graphs import GraphRunner, bucket_sizes
 from egemma.engine.model import Encoder, Packed
 from egemma.kernels.select import ATTENTION_BACKENDS, attention_fn, available_attention_backends, make_ops
 
@@ -69,10 +70,8 @@ class Engine:
         self.attn_candidates = have if ec.attention_backend == "auto" else [ec.attention_backend]
         log.info("egemma: %s on %s %s, norms=%s, attention candidates=%s, loaded in %.1fs", cfg.path,
                  self.device, dtype, self.ops.name, self.attn_candidates, time.perf_counter() - t0)
-        self.graphs = None
-        if self.device.type == "cuda":
-            from egemma.engine.graphs import GraphRunner
-            self.graphs = GraphRunner(self, capture=ec.cuda_graphs)
+        self.graphs = GraphRunner(self.model, self.ops, self.attn_candidates, bucket_sizes(ec.max_tokens),
+                                  ec.max_seqs, capture=ec.cuda_graphs) if self.device.type == "cuda" else None
         self.stats = {"graph_replays": 0, "eager_runs": 0, "tokens": 0}
 
     def check(self, ids: np.ndarray, max_len: int | None = None) -> str | None:
@@ -108,7 +107,8 @@ class Engine:
             ids = np.concatenate(seqs[a:b])
             self.stats["tokens"] += ids.size
             if self.graphs is not None:
-                out[a:b] = self.graphs.run(ids, lengths[a:b])
+                out[a:b], replayed = self.graphs.run(ids, lengths[a:b])
+                self.stats["graph_replays" if replayed else "eager_runs"] += 1
             else:
                 self.stats["eager_runs"] += 1
                 packed = Packed.from_lengths(torch.from_numpy(ids.astype(np.int64)), lengths[a:b], self.device)
@@ -116,5 +116,5 @@ class Engine:
         return out
 
     def forward_eager(self, b: Packed) -> torch.Tensor:
-        x = self.model.forward(b, self.ops, (attention_fn(self.attn_candidates[0]),) * 2)
-        return self.model.pool(x, b.cu_seqlens, b.cu_seqlens.shape[0] - 1, self.ops)
+        return self.model.embed_packed(b, b.cu_seqlens.shape[0] - 1, self.ops,
+                                       (attention_fn(self.attn_candidates[0]),) * 2)
