@@ -5,7 +5,9 @@ serves sentence-transformers bf16 behind the same Triton (perf/baseline_reposito
                             [--sweep MODEL=N,MODEL=N ...] [--floor]
 
 Workloads (gRPC, text built from real English prose, token counts measured with the checkpoint's tokenizer):
-  w1  one request of 8 texts x ~2048 tokens, sequential       (perf_analyzer -b 8)
+  w1  one request of 8 texts x ~2048 tokens, sequential       (perf_analyzer -b 8), for three text families:
+      prose (w1), source code (w1_code: numpy's own .py files) and CJK (w1_cjk: CPython's cjkencodings test
+      texts, sentences shuffled and repeated; from --cjk-dir or this Python's test package; skipped if none)
   w2  one ~16-token query, concurrency 1                       (perf_analyzer)
   w3  single ~20-token texts, concurrency 1 .. 256             (perf_analyzer; throughput, latency)
   w4  80% queries of 10-40 tokens, 20% passages of 200-600, Poisson arrivals at 70% of the max rate
@@ -46,6 +48,39 @@ def prose() -> list[str]:
         body = Path(f).read_text(errors="ignore").split("\n\n", 1)[-1]
         words += re.sub(r"[`*#<>\[\]()|=_]+", " ", body).split()
     return words
+
+
+def code() -> str:
+    """Real source code with its docstrings and indentation: numpy's own Python files."""
+    return "\n".join(Path(f).read_text(errors="ignore") for f in sorted(glob.glob(f"{Path(np.__file__).parent}/**/*.py",
+                                                                                     recursive=True))[:300])
+
+
+def cjk(cjk_dir: Path | None, rng: random.Random) -> str:
+    """Chinese, Japanese and Korean prose (CPython's cjkencodings test texts), sentences shuffled and repeated to
+    ~200k characters; empty if none is found."""
+    dirs = [cjk_dir] if cjk_dir else [Path(d) for d in glob.glob(f"{sys.base_prefix}/lib/python3*/test/cjkencodings")]
+    sents = [x for d in dirs for f in sorted(d.glob("*-utf8.txt")) for x in re.split(r"(?<=[。．！？\n])", f.read_text())
+             if x.strip()]
+    out, n = [], 0
+    while sents and n < 200_000:
+        rng.shuffle(sents)
+        out += sents
+        n += sum(map(len, sents))
+    return "".join(out)
+
+
+def make_chars(tok: TextTokenizer, corpus: str, n_tokens: int, rng: random.Random) -> str:
+    """The shortest slice of corpus from a random start that reaches n_tokens (specials included)."""
+    start = rng.randrange(0, len(corpus) - 8 * n_tokens)
+    lo, hi = 1, 8 * n_tokens
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if tok.untruncated_length(corpus[start:start + mid]) >= n_tokens:
+            hi = mid
+        else:
+            lo = mid + 1
+    return corpus[start:start + lo]
 
 
 def make_text(tok: TextTokenizer, words: list[str], n_tokens: int, rng: random.Random) -> str:
@@ -151,7 +186,8 @@ def tokenizer_times(tok: TextTokenizer, checkpoint: Path, texts: dict) -> dict:
     plain.enable_truncation(tok.max_length)
     out = {}
     runs = [(label, batch, name, f, 0.0) for label, batch in
-            (("8x2048", texts["w1"]), ("256x20", texts["w3"]), ("1x16", texts["w2"][:1]))
+            (("8x2048", texts["w1"]), ("8x2048 code", texts["w1_code"]), ("8x2048 cjk", texts.get("w1_cjk")),
+             ("256x20", texts["w3"]), ("1x16", texts["w2"][:1])) if batch
             for name, f in (("ours", tok.encode), ("plain", plain.encode_batch_fast))]
     # as in w1, where the tokenizer waits ~15 ms for the encoder between requests: is it slower from cold?
     runs.append(("8x2048", texts["w1"], "ours 20 ms apart", tok.encode, 0.02))
@@ -183,7 +219,8 @@ def gpu_util(seconds_log):
 def run_suite(name, url, metrics_url, model, data, out: Path, log, suite: str):
     """suite: full (all workloads), short (w1, w2, w3 at c=128/256), sweep (w2, w3 at c=128/256).
     name: a file-name-safe tag for the CSV files."""
-    res = {"w1": w1(url, metrics_url, model, data["w1"], out, name, log)} if suite != "sweep" else {}
+    families = [k for k in ("w1", "w1_code", "w1_cjk") if k in data] if suite != "sweep" else []
+    res = {k: w1(url, metrics_url, model, data[k], out, f"{name}_{k[3:]}" if k != "w1" else name, log) for k in families}
     res["w2"] = perf_analyzer(url, model, data["w2"], out / f"{name}_w2.csv", ["--concurrency-range", "1"], log)
     res["w3"] = {}
     stats = grpcclient.InferenceServerClient(url)
@@ -260,6 +297,8 @@ def main():
     ap.add_argument("--suite", choices=("full", "short", "sweep"), default="full", help="workloads for ours")
     ap.add_argument("--sweep", nargs="*", default=[], metavar="MODEL=N,MODEL=N",
                     help="instance-count variants, e.g. embeddinggemma_encoder=2,embeddinggemma_tokenizer=6")
+    ap.add_argument("--cjk-dir", type=Path, help="a folder of *-utf8.txt CJK texts (default: this Python's "
+                                                 "test/cjkencodings)")
     ap.add_argument("--floor", action="store_true",
                     help="also serve the repository with both models doing nothing (perf/floor_model.py): what "
                          "Triton, the ensemble and the Python backend cost on this host")
@@ -271,15 +310,19 @@ def main():
              "w2": [make_text(tok, words, 16, rng) for _ in range(64)],
              "w3": [make_text(tok, words, 20, rng) for _ in range(256)],
              "w4": [make_text(tok, words, rng.randint(10, 40) if rng.random() < 0.8 else rng.randint(200, 600), rng)
-                    for _ in range(500)]}
+                    for _ in range(500)],
+             "w1_code": [make_chars(tok, code(), 2047, rng) for _ in range(8)]}
+    if len(corpus := cjk(a.cjk_dir, rng)) > 16 * 2048:
+        texts["w1_cjk"] = [make_chars(tok, corpus, 2047, rng) for _ in range(8)]
     data = {}
     for utf8 in (False, True):
         data[utf8] = {}
-        for key in ("w1", "w2", "w3", "w4"):
+        for key in texts:
             path = a.out / f"{key}{'_utf8' if utf8 else ''}.json"
             path.write_text(json.dumps(pa_data(texts[key], utf8)))
             data[utf8][key] = path
-    print("w1 token counts:", [tok.untruncated_length(t) for t in texts["w1"]], flush=True)
+    for k in (k for k in texts if k.startswith("w1")):
+        print(f"{k} token counts:", [tok.untruncated_length(t) for t in texts[k]], flush=True)
     tok_ms = tokenizer_times(tok, a.checkpoint, texts)
     print("tokenizer alone, ms (median of 20):", json.dumps(tok_ms), flush=True)
     results = {}
@@ -321,8 +364,8 @@ def summary(results):
     def f(v, k):
         return f"{v[k]:.2f}" if v and v.get(k) is not None else "-"
 
-    def split(r):
-        m = (r.get("w1") or {}).get("per_model_ms_per_execution", {})
+    def split(r, w="w1"):
+        m = (r.get(w) or {}).get("per_model_ms_per_execution", {})
         return " / ".join(f"{m[k]['compute_infer']:.1f}" if k in m else "-" for k in MODELS)
 
     def serial(r):
@@ -335,8 +378,10 @@ def summary(results):
             t = sum(m[k][x] for x in ("compute_input", "compute_infer", "compute_output"))
             return f"{t * 1e3 / b / b:.0f} (b{b:.0f})"
         return " / ".join(one(k) if k in m else "-" for k in MODELS)
-    rows = [("w1 8x2048 p50 / p99 ms", lambda r: f"{f(r.get('w1'), 'p50_ms')} / {f(r.get('w1'), 'p99_ms')}"),
-            ("w1 tokenizer / encoder infer ms", split),
+    rows = [(f"{k} 8x2048 p50 / p99 ms", lambda r, k=k: f"{f(r.get(k), 'p50_ms')} / {f(r.get(k), 'p99_ms')}")
+            for k in ("w1", "w1_code", "w1_cjk")]
+    rows += [
+            *((f"{k} tokenizer / encoder infer ms", lambda r, k=k: split(r, k)) for k in ("w1", "w1_code", "w1_cjk")),
             ("w1 tokenizer execute ms", lambda r: f((r.get("w1") or {}), "tokenizer_execute_ms")),
             ("w2 1 query p50 / p99 ms", lambda r: f"{f(r['w2'], 'p50_ms')} / {f(r['w2'], 'p99_ms')}")]
     for c in CONCURRENCY:
