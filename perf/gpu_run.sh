@@ -5,7 +5,6 @@
 #   deps                 only unpack what was carried (a warm machine keeps it for the next call: FA3 + sgl-kernel
 #                        do not fit one transfer beside the server); prints the CPU layout and whether MPS is there
 #   engine               GPU tests, profile, engine benchmark
-#   fused                fused-epilogue GEMM tests + perf/bench_fused.py (vs cuBLAS + the separate kernels)
 #   serve                serving benchmark (perf/bench_serve.py) incl. the sentence-transformers baseline and
 #                        the instance-count sweep in $EGEMMA_SWEEP (space-separated MODEL=N,MODEL=N variants);
 #                        $EGEMMA_BENCH_ARGS go to bench_serve.py (e.g. "--suite short --skip-baseline --floor");
@@ -52,9 +51,6 @@ for step in "$@"; do
       [ -n "${EGEMMA_MPS:-}" ] && echo quit | nvidia-cuda-mps-control
       cp /tmp/serve/results.json /tmp/serve/serve_w3.png "$OUT/" 2>/dev/null
       tar czf "$OUT/serve.tgz" -C /tmp/serve . ;;
-    fused)
-      python3 -m pytest -q -rs -p no:cacheprovider tests/test_fused_gemm.py 2>&1 | tee "$OUT/fused_tests.log" | tail -n 15
-      python3 perf/bench_fused.py --out "$OUT/bench_fused.json" 2>&1 | tee "$OUT/bench_fused.log" | tail -n 60 ;;
     soak-start*)
       secs="${step#soak-start}"; secs="${secs#=}"
       mkdir -p "$SOAK"
