@@ -1,18 +1,55 @@
-"""Shared fixtures: generated checkpoints (both tokenizer variants, a bare one), sentence-transformers
-references, and a real tritonserver on the generated checkpoint."""
+"""Shared fixtures: generated checkpoints (both tokenizer variants, a bare one), the real checkpoint when given,
+real tritonservers (`server` shared by the session, `start_server` for a test's own), and the check that the
+shared server still serves after a test."""
 import os
 
 if not os.path.exists("/dev/nvidiactl"):  # no GPU: Triton-lang kernels run in Triton's interpreter. Set before
     os.environ.setdefault("TRITON_INTERPRET", "1")  # anything imports triton, which reads it once.
 
+import contextlib
+import itertools
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import tritonclient.grpc as grpcclient
 
-from helpers import ROOT
+from helpers import GOOD, ROOT, assert_close, reference, text_input, wait_for
 
+
+class Servers:
+    """Starts real tritonservers, each with its own run directory and log file under root, on free ports unless
+    given; `with Servers(...) as start:` stops every one still running at the end."""
+
+    def __init__(self, root: Path, checkpoint: Path):
+        self.root, self.checkpoint, self.n = root, checkpoint, itertools.count()
+        self.stack = contextlib.ExitStack()
+
+    def __call__(self, checkpoint: Path | None = None, **kw):
+        """A started egemma.ops.tritonserver.TritonServer; kw as TritonServer's (instances, params, repository,
+        exit_timeout_secs, ports, ...). Callable from another thread (a Watchdog's restarts)."""
+        from egemma.ops.tritonserver import TritonServer, free_port
+        d = self.root / f"server{next(self.n)}"
+        d.mkdir(parents=True)
+        log = self.stack.enter_context(open(d / "tritonserver.log", "w"))
+        for port in ("http_port", "grpc_port", "metrics_port"):
+            if port not in kw:
+                kw[port] = free_port()
+        kw.setdefault("ready_timeout", 300)
+        try:
+            s = TritonServer(checkpoint or self.checkpoint, run_dir=d, log_file=log, **kw)
+        except Exception as e:  # say why: the end of the server's own log
+            log.flush()
+            tail = "".join((d / "tritonserver.log").read_text(errors="replace").splitlines(True)[-30:])
+            raise RuntimeError(f"{e}\n--- {d / 'tritonserver.log'} (last lines) ---\n{tail}") from e
+        return self.stack.enter_context(s)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stack.close()
 
 
 @pytest.fixture(scope="session")
@@ -34,14 +71,68 @@ def real_checkpoint() -> Path:
     return Path(p)
 
 
+@pytest.fixture(scope="session")
+def server(checkpoints, tmp_path_factory):
+    """The tritonserver most tests share, on the small generated checkpoint (its Matryoshka dims 48/32/16)."""
+    with Servers(tmp_path_factory.mktemp("server"), checkpoints["eos"]) as start:
+        yield start(params={"matryoshka_dims": "48,32,16"})
+
+
+@pytest.fixture
+def start_server(checkpoints, tmp_path):
+    """start_server(**kw): a test's own tritonserver (default: the generated "eos" checkpoint), stopped at the
+    test's end with every other one it started."""
+    with Servers(tmp_path / "servers", checkpoints["eos"]) as start:
+        yield start
+
+
+@pytest.fixture(scope="module")
+def real_server(real_checkpoint, tmp_path_factory):
+    with Servers(tmp_path_factory.mktemp("real"), real_checkpoint) as start:
+        yield start(ready_timeout=600)
 
 
 @pytest.fixture(scope="session")
-def server(checkpoints, tmp_path_factory):
-    from egemma.ops.tritonserver import TritonServer, free_port
-    d = tmp_path_factory.mktemp("server")
-    with open(d / "tritonserver.log", "w") as log, \
-            TritonServer(checkpoints["eos"], http_port=free_port(), grpc_port=free_port(),
-                         metrics_port=free_port(), run_dir=d, log_file=log, ready_timeout=300,
-                         params={"matryoshka_dims": "48,32,16"}) as s:
-        yield s
+def good_ref(checkpoints):
+    return reference(checkpoints["eos"], GOOD)
+
+
+@pytest.fixture
+def still_serving(server, good_ref):
+    """For tests of the shared server (pytestmark = pytest.mark.usefixtures("still_serving")): whatever the test
+    sent, the server is afterwards alive, ready and exact."""
+    yield
+    assert server.proc.poll() is None, "tritonserver died"
+    c = grpcclient.InferenceServerClient(server.grpc_url)
+    assert c.is_server_live() and c.is_server_ready()
+    got = c.infer("embeddinggemma", [text_input(GOOD[:4])], client_timeout=60).as_numpy("EMBEDDING")
+    assert_close(got, good_ref[:4])
+
+
+@pytest.fixture(scope="session")
+def api_gateway(server, tmp_path_factory):
+    """The real gateway process (python -m egemma.serving.gateway, 2 workers) in front of the shared server, as
+    the OpenAI and TEI tests drive it: one alias, a 1 MiB body limit (so that 413 is cheap to reach)."""
+    import types
+    import urllib.request
+    from egemma.ops.tritonserver import free_port
+    port, max_body, aliases = free_port(), 1 << 20, ("embeddinggemma",)
+    log = open(tmp_path_factory.mktemp("gateway") / "gateway.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "egemma.serving.gateway", "--port", str(port), "--workers", "2",
+                             "--triton-http", server.http_url, "--triton-grpc", server.grpc_url,
+                             "--triton-metrics", f"{server.host}:{server.metrics_port}",
+                             "--max-request-bytes", str(max_body), *(f"--alias={a}" for a in aliases)],
+                            stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    url = f"http://127.0.0.1:{port}"
+
+    def up():
+        assert proc.poll() is None, f"the gateway exited with {proc.returncode}; see {log.name}"
+        try:
+            return urllib.request.urlopen(f"{url}/v1/models", timeout=2).status == 200
+        except OSError:
+            return False
+    wait_for(up, 60, "the gateway to listen")
+    yield types.SimpleNamespace(url=url, aliases=aliases, max_body=max_body, proc=proc)
+    proc.terminate()
+    proc.wait(30)
+    log.close()

@@ -1,19 +1,23 @@
 """What the tests share: generated texts, the sentence-transformers references every answer is compared with, one
-tolerance, request builders for both clients, a concurrent request driver, and waiting on a condition."""
+tolerance, request builders for both clients, a concurrent request driver, clean-error and statistics checks,
+and waiting on a condition."""
 import queue
 import random
+import re
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
 
 ROOT = Path(__file__).resolve().parent.parent
 TOL = 1e-5  # fp32 on CPU: every served embedding equals sentence-transformers' to this, element by element
 WORDS = ("the a of to and in is it for on with as was at by search result query text title none task "
          "kalo mine rusa tivo zequ than erin onst kami lovo").split()
 UNICODE = ["Grüße aus Köln", "naïve café", "日本語のテキスト", "emoji 🚀🔥", "Ωmega ∑ ∫", "tab\tand\nnewline"]
+INVALID = "StatusCode.INVALID_ARGUMENT"
 
 
 def make_texts(n: int, max_words: int, seed: int = 0) -> list[str]:
@@ -28,6 +32,9 @@ def make_texts(n: int, max_words: int, seed: int = 0) -> list[str]:
             words.insert(rng.randint(0, len(words)), rng.choice(["<eos>", "<bos>", "<pad>", "<unk>"]))
         out.append(" ".join(words))
     return out
+
+
+GOOD = make_texts(12, 80, seed=11)  # sent beside bad requests, and the still-serving check (conftest.good_ref)
 
 
 def cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -142,3 +149,24 @@ def wait_for(cond, timeout, what):
     while not cond():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.1)  # polling interval; the condition itself is what is waited on
+
+
+def assert_clean_error(e, *fragments, status=INVALID):
+    """A per-request error the client can act on: the expected status and a message naming the problem."""
+    assert isinstance(e, InferenceServerException), f"expected an error, got {e!r}"
+    assert e.status() == status, (e.status(), e.message())
+    for f in fragments:
+        assert f in e.message(), e.message()
+
+
+def model_stats(c, model) -> tuple[int, int]:
+    """(inference_count, execution_count) of a model from Triton's statistics API: requests (batch rows) it
+    ran, and the executes they ran in."""
+    s = c.get_inference_statistics(model, as_json=True)["model_stats"][0]
+    return int(s.get("inference_count", 0)), int(s.get("execution_count", 0))
+
+
+def max_text_bytes(server) -> int:
+    """The tokenizer model's max_text_bytes as the server's rendered repository sets it."""
+    cfg = (server.repo / "embeddinggemma_tokenizer" / "config.pbtxt").read_text()
+    return int(re.search(r'key: "max_text_bytes" value: \{ string_value: "(\d+)"', cfg).group(1))

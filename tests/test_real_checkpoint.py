@@ -1,10 +1,9 @@
 """google/embeddinggemma-300m itself (real weights, real Gemma tokenizer) through the real server, against
 sentence-transformers. Runs when EMBEDDINGGEMMA_PATH points at the checkpoint."""
 import numpy as np
-import pytest
 import tritonclient.grpc as grpcclient
 
-from helpers import cosine, st_model
+from helpers import assert_close, st_model
 from egemma.engine.config import ModelConfig
 from egemma.engine.tokenizer import TextTokenizer
 
@@ -12,16 +11,6 @@ TEXTS = ["", "Which planet is known as the Red Planet?",
          "Mars, known for its reddish appearance, is often referred to as the Red Planet. " * 6,
          "Grüße aus Köln! 日本語のテキスト 🚀 <eos> literal specials <bos>",
          "Venus is often called Earth's twin because of its similar size and proximity. " * 30]
-
-
-@pytest.fixture(scope="module")
-def real_server(real_checkpoint, tmp_path_factory):
-    from egemma.ops.tritonserver import TritonServer, free_port
-    d = tmp_path_factory.mktemp("real")
-    with open(d / "tritonserver.log", "w") as log, \
-            TritonServer(real_checkpoint, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
-                         run_dir=d, log_file=log, ready_timeout=600) as s:
-        yield s
 
 
 def test_real_tokenizer_matches(real_checkpoint):
@@ -40,7 +29,7 @@ def test_real_checkpoint_served_equals_sentence_transformers(real_server, real_c
     got = c.infer("embeddinggemma", [i]).as_numpy("EMBEDDING")
     ref = st_model(real_checkpoint).encode(TEXTS, convert_to_numpy=True)
     assert got.shape == (len(TEXTS), 768)
-    assert cosine(got, ref).min() >= 0.99999 and np.abs(got - ref).max() <= 1e-5
+    assert_close(got, ref)
 
 
 def test_pieces_keep_real_gemma_ids(real_checkpoint):

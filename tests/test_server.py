@@ -1,14 +1,13 @@
 """Through the real tritonserver: HTTP and gRPC, batches in one request, concurrent mixed-length requests that
 dynamic batching packs together, direct token-id calls, per-request errors. Every answer is compared with
 sentence-transformers on the same checkpoint."""
-import time
-
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
-from helpers import assert_close, fire_concurrently, ids_input, make_texts, reference, text_input
+from helpers import (assert_close, fire_concurrently, ids_input, make_texts, model_stats, reference, st_embed_ids,
+                     st_model, text_input, wait_for)
 
 
 def test_http_batch_in_one_request(server, checkpoints):
@@ -36,25 +35,19 @@ def test_concurrent_single_text_requests_are_batched_and_each_correct(server, ch
     texts = make_texts(48, 450, seed=4)[::-1]
     ref = reference(checkpoints["eos"], texts)
     c = grpcclient.InferenceServerClient(server.grpc_url)
-    before = _stats(c)
+    before = model_stats(c, "embeddinggemma_encoder")
     res = fire_concurrently(c, [("embeddinggemma", [text_input([t])]) for t in texts])
     for (r, e), want in zip(res, ref):
         assert e is None, e
         assert_close(r.as_numpy("EMBEDDING"), want[None])
-    deadline = time.monotonic() + 30  # Triton updates its statistics just after the responses go out
-    while (after := _stats(c))[0] - before[0] < 48 and time.monotonic() < deadline:
-        time.sleep(0.05)
+    # Triton updates its statistics just after the responses go out.
+    wait_for(lambda: model_stats(c, "embeddinggemma_encoder")[0] - before[0] >= 48, 30, "the encoder's statistics")
+    after = model_stats(c, "embeddinggemma_encoder")
     inferences, executions = after[0] - before[0], after[1] - before[1]
     assert inferences == 48 and executions < inferences  # dynamic batching packed requests together
 
 
-def _stats(c):
-    s = c.get_inference_statistics("embeddinggemma_encoder", as_json=True)["model_stats"][0]
-    return int(s.get("inference_count", 0)), int(s.get("execution_count", 0))
-
-
 def test_encoder_takes_token_ids_directly_and_bad_requests_fail_alone(server, checkpoints):
-    from helpers import st_embed_ids, st_model
     rng = np.random.default_rng(0)
     rows = [[2, *rng.integers(4, 1000, n).tolist(), 1] for n in (1, 40, 300)]
     ref = st_embed_ids(st_model(checkpoints["eos"]), rows)

@@ -10,7 +10,7 @@ import time
 import numpy as np
 import tritonclient.grpc as grpcclient
 
-from helpers import make_texts, reference
+from helpers import assert_close, make_texts, reference
 from egemma.ops.procfs import rss_kb, stub_pids
 
 SECONDS = float(os.environ.get("EGEMMA_SOAK_SECONDS", "120"))
@@ -18,7 +18,6 @@ WARMUP = min(max(10.0, 0.2 * SECONDS), SECONDS / 2)
 WORKERS = 6  # a few more clients than cores, so dynamic batching always has company
 MAX_REQUESTS = 200_000  # per worker: the loop is bounded in count as well as time
 BATCHES = (1, 1, 1, 2, 4, 8, 16)
-TOL = 1e-5
 
 
 def stubs(server) -> dict[int, int]:
@@ -48,8 +47,9 @@ def test_soak(server, checkpoints):
                 failures.append(f"error: {e}")
                 continue
             counts[w] += 1
-            if got.shape != (len(idx), ref.shape[1]) or not np.isfinite(got).all() \
-                    or np.abs(got - ref[idx]).max() > TOL:
+            try:
+                assert_close(got, ref[idx])
+            except AssertionError:
                 failures.append(f"mismatch for texts {idx}")
 
     threads = [threading.Thread(target=worker, args=(w,), daemon=True) for w in range(WORKERS)]
