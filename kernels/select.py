@@ -25,7 +25,6 @@ class Ops:
     gelu_tanh_and_mul: Callable  # (gate_up) -> out
     qk_norm_rope: Callable  # (qkv, pos, q_w, k_w, cos, sin, heads, kv_heads, eps) -> q, k, v
     mean_pool: Callable  # (x, cu_seqlens, n) -> fp32 [n, D]
-    linear: Callable = lambda x, w: x @ w.T  # (x [T, K], w [N, K]) -> [T, N]
 
 
 def _have(module: str) -> bool:
@@ -96,44 +95,20 @@ def time_ms(fn, *args, reps: int = 5, inner: int = 5, capture: bool = True) -> f
     return sorted(runs)[len(runs) // 2]
 
 
-SKINNY_ROWS = (16, 32, 64)  # graph buckets where a few rows meet the whole weight matrix
-
-
-def _pick_linear(weights) -> tuple[str, Callable]:
-    """cuBLAS, or up to some row count the skinny Triton GEMM: timed here on the model's own weights (each
-    bucket in SKINNY_ROWS, all weights), the skinny one kept for the buckets up to the last where it wins."""
-    from egemma.kernels import triton_ops
-    rows = 0
-    for m in SKINNY_ROWS:
-        xs = {w.shape[1]: torch.randn(m, w.shape[1], device=w.device, dtype=w.dtype) for w in weights}
-        skinny = sum(time_ms(triton_ops.skinny_matmul, xs[w.shape[1]], w) for w in weights)
-        cublas = sum(time_ms(lambda x, w: x @ w.T, xs[w.shape[1]], w) for w in weights)
-        if skinny >= cublas:
-            break
-        rows = m
-    if not rows:
-        return "cublas", Ops.linear
-    return f"skinny<={rows}", lambda x, w: triton_ops.skinny_matmul(x, w) if x.shape[0] <= rows else x @ w.T
-
-
 def make_ops(backend: str, device: torch.device, dtype=torch.bfloat16, hidden=768, intermediate=1152,
-             tokens=16384, gemm_weights=()) -> Ops:
+             tokens=16384) -> Ops:
     """backend: one of NORM_BACKENDS for every op, or 'auto': on CUDA each op takes the fastest available
-    backend, timed here on [tokens, hidden] data. gemm_weights (one layer's): on CUDA, the GEMM backend for
-    small batches is timed on them."""
+    backend, timed here on [tokens, hidden] data."""
     have = available_norm_backends(device)
     if backend != "auto" and backend not in have:
         raise RuntimeError(f"norm backend {backend!r} is not available on {device} (available: {have})")
     fused = dict(qk_norm_rope=native.qk_norm_rope, mean_pool=native.mean_pool)  # no library has these
-    gemm = "torch"
     if device.type == "cuda" and _have("triton"):
         from egemma.kernels import triton_ops
         fused = dict(qk_norm_rope=triton_ops.qk_norm_rope, mean_pool=triton_ops.mean_pool)
-        if gemm_weights:
-            gemm, fused["linear"] = _pick_linear(gemm_weights)
     if backend != "auto" or len(have) == 1:
         name = have[0] if backend == "auto" else backend
-        return Ops(f"{name},gemm={gemm}", **fused, **_backend_ops(name))
+        return Ops(name, **fused, **_backend_ops(name))
     x = torch.randn(tokens, hidden, device=device, dtype=dtype)
     h = torch.randn(tokens, hidden, device=device, dtype=dtype)
     w = torch.randn(hidden, device=device, dtype=dtype)
@@ -146,7 +121,7 @@ def make_ops(backend: str, device: torch.device, dtype=torch.bfloat16, hidden=76
         best = min(times, key=times.get)
         chosen[op] = cands[best][op]
         names.append(f"{op}={best}")
-    return Ops(",".join(names + [f"gemm={gemm}"]), **fused, **chosen)
+    return Ops(",".join(names), **fused, **chosen)
 
 
 def attention_fn(backend: str) -> Callable:

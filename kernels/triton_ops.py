@@ -133,34 +133,3 @@ def qk_norm_rope(qkv, pos, q_w, k_w, cos, sin, heads, kv_heads, eps):
                                    NH=triton.next_power_of_2(heads + kv_heads), HALF=dh // 2)
     v = qkv.view(T, heads + 2 * kv_heads, dh)[:, heads + kv_heads:]
     return q, k, v
-
-
-@triton.jit
-def _skinny_matmul_kernel(x_ptr, w_ptr, out_ptr, M, N, K, sx, sw, so,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]  # [BLOCK_M, 1]
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]  # [1, BLOCK_N]
-    ks = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):
-        kk = k + ks
-        x = tl.load(x_ptr + rows * sx + kk[None, :], mask=(rows < M) & (kk[None, :] < K), other=0.0)
-        w = tl.load(w_ptr + cols * sw + kk[:, None], mask=(cols < N) & (kk[:, None] < K), other=0.0)  # [K, N]
-        acc += tl.dot(x, w)
-    tl.store(out_ptr + rows * so + cols, acc.to(out_ptr.dtype.element_ty), mask=(rows < M) & (cols < N))
-
-
-SKINNY_BLOCK_N = 16
-
-
-def skinny_matmul(x, w):
-    """x [M, K] @ w[N, K].T for few rows (M <= 64): 16-column tiles, so that even N = 768 spreads over 48
-    programs, where a GEMM library's wide tiles leave most of the GPU's multiprocessors idle at such M."""
-    M, K = x.shape
-    N = w.shape[0]
-    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    if M:
-        _skinny_matmul_kernel[(triton.cdiv(N, SKINNY_BLOCK_N), triton.cdiv(M, 16))](
-            x, w, out, M, N, K, x.stride(0), w.stride(0), out.stride(0), BLOCK_M=16, BLOCK_N=SKINNY_BLOCK_N,
-            BLOCK_K=128)
-    return out

@@ -27,16 +27,14 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("checkpoint")
     ap.add_argument("--batch", action="append", default=None, help="NxL, repeatable")
-    ap.add_argument("--norm-backend", action="append", default=None, help="repeatable; default: auto")
-    ap.add_argument("--gemm-backend", action="append", default=None, help="repeatable; default: auto")
+    ap.add_argument("--norm-backend", action="append", default=None, help="repeatable; default: all available")
     a = ap.parse_args()
     for backend in a.norm_backend or ["auto"]:
-        for gemm in a.gemm_backend or ["auto"]:
-            profile_backend(a.checkpoint, backend, gemm, a.batch or ["8x2048", "64x128", "1x16"])
+        profile_backend(a.checkpoint, backend, a.batch or ["8x2048", "64x128", "1x16"])
 
 
-def profile_backend(checkpoint, backend, gemm, batches):
-    eng = Engine(EngineConfig(checkpoint, norm_backend=backend, gemm_backend=gemm))
+def profile_backend(checkpoint, backend, batches):
+    eng = Engine(EngineConfig(checkpoint, norm_backend=backend))
     rng = np.random.default_rng(0)
     for spec in batches:
         n, L = map(int, spec.split("x"))
@@ -61,7 +59,7 @@ def profile_backend(checkpoint, backend, gemm, batches):
         for _ in range(20):
             eng.embed(seqs)
         embed_ms = (time.perf_counter() - t0) / 20 * 1e3
-        print(f"\n== norms={backend} gemm={gemm} ({eng.ops.name}) {spec} (graph {t}, attention {eng.graphs.attn[t]}): graph replay {replay:.3f} ms GPU, "
+        print(f"\n== norms={backend} {spec} (graph {t}, attention {eng.graphs.attn[t]}): graph replay {replay:.3f} ms GPU, "
               f"embed() {embed_ms:.3f} ms wall, eager kernels {sum(per.values()):.3f} ms")
         print("   " + ", ".join(f"{k} {v:.3f}" for k, v in per.most_common()))
         for name, ms in top.most_common(8):

@@ -87,10 +87,3 @@ def test_mean_pool(lengths, D):
     for i, n in enumerate(lengths):
         ref = x[int(cu[i]):int(cu[i + 1])].float().mean(0) if n else torch.zeros(D, device=DEV)
         assert torch.allclose(want[i], ref, atol=1e-5)
-
-
-@pytest.mark.parametrize("M", [1, 7, 16, 33])
-@pytest.mark.parametrize("N,K", [(768, 1152), (40, 200), (1280, 768)])  # Gemma's down / qkv, and partial tiles
-def test_skinny_matmul(M, N, K):
-    x, w = rand(M, K), rand(N, K, scale=K ** -0.5)
-    close(triton_ops.skinny_matmul(x, w), (x.float() @ w.float().T).to(DTYPE))

@@ -26,7 +26,6 @@ class EngineConfig:
     dtype: str = "auto"  # "auto": bfloat16 on cuda, float32 on cpu. fp16 overflows in Gemma3: refused.
     norm_backend: str = "auto"  # auto (fastest per op, timed at load) | sgl-kernel | triton | native
     attention_backend: str = "auto"  # auto (timed per bucket) | fa3 | fa2 | native
-    gemm_backend: str = "auto"  # auto (small batches: skinny Triton GEMM where it beats cuBLAS, timed) | cublas
     cuda_graphs: bool = True
     max_tokens: int = 16384  # tokens per forward; the largest graph bucket. Larger batches are split.
     max_seqs: int = 256  # sequences per forward
@@ -62,12 +61,8 @@ class Engine:
             for _ in range(200):
                 x @ x
             torch.cuda.synchronize(self.device)
-        if ec.gemm_backend not in ("auto", "cublas"):
-            raise ValueError(f"gemm_backend {ec.gemm_backend!r} is not one of auto, cublas")
-        L = self.model.layers[0]
         self.ops = make_ops(ec.norm_backend, self.device, self.model.dtype, cfg.hidden, cfg.intermediate,
-                            ec.max_tokens, gemm_weights=(L.qkv, L.o, L.gate_up, L.down) if ec.gemm_backend == "auto"
-                            else ())
+                            ec.max_tokens)
         have = available_attention_backends(self.device)
         if ec.attention_backend != "auto" and ec.attention_backend not in have:
             raise RuntimeError(f"attention backend {ec.attention_backend!r} is not available on {self.device} "

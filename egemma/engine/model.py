@@ -70,15 +70,12 @@ class Encoder:
         x = ops.rmsnorm(h, self.layers[0].input_norm, c.eps)
         for i, L in enumerate(self.layers):
             cos, sin = self.rope[L.sliding]
-            q, k, v = ops.qk_norm_rope(ops.linear(x, L.qkv), b.pos, L.q_norm, L.k_norm, cos, sin, c.heads,
-                                       c.kv_heads, c.eps)
+            q, k, v = ops.qk_norm_rope(x @ L.qkv.T, b.pos, L.q_norm, L.k_norm, cos, sin, c.heads, c.kv_heads, c.eps)
             a = attn[0 if L.sliding else 1](q, k, v, b.cu_seqlens, b.max_seqlen,
                                              c.window if L.sliding else -1, c.attn_scale)  # [T, H, Dh]
-            x = ops.norm_add_norm(ops.linear(a.reshape(a.shape[0], -1), L.o), h, L.post_attn_norm, L.pre_ff_norm,
-                                  c.eps)
+            x = ops.norm_add_norm(a.reshape(a.shape[0], -1) @ L.o.T, h, L.post_attn_norm, L.pre_ff_norm, c.eps)
             nxt = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.final_norm
-            x = ops.norm_add_norm(ops.linear(ops.gelu_tanh_and_mul(ops.linear(x, L.gate_up)), L.down), h,
-                                  L.post_ff_norm, nxt, c.eps)
+            x = ops.norm_add_norm(ops.gelu_tanh_and_mul(x @ L.gate_up.T) @ L.down.T, h, L.post_ff_norm, nxt, c.eps)
         return x
 
     def embed_packed(self, b: Packed, n: int, ops: Ops, attn: tuple[Callable, Callable]) -> torch.Tensor:
