@@ -11,6 +11,9 @@
 #                        EGEMMA_MPS=1 runs it with the CUDA MPS daemon
 #   soak-start[=SECS]    start perf/soak_gpu.py (30 s warm-up + 870 s) detached, so it outlives this call
 #   soak-wait            wait (up to ~9 min) for the soak to end; its results go to $OUT either way
+#   gateway              perf/bench_gateway.py: single texts at c=64 through the gateway's OpenAI route vs gRPC
+#                        (perf_analyzer + an aio driver), gateway workers 1/2/4; needs aiohttp + orjson (+ uvloop):
+#                        carry .gpu/gateway-deps.tar.xz beside the server set; $EGEMMA_GATEWAY_ARGS go to it
 # Full logs and JSON go to $OUT. Needs .gpu/activate.sh and the archives named in perf/RESULTS.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -61,6 +64,15 @@ for step in "$@"; do
       tail -n 8 "$SOAK/log"
       cp "$SOAK/log" "$OUT/soak.log" 2>/dev/null
       [ -f "$SOAK/soak.json" ] && cp "$SOAK/soak.json" "$OUT/" && tar czf "$OUT/soak.tgz" -C "$SOAK" . ;;
+    gateway)
+      if python3 -c "import aiohttp, orjson" 2>/dev/null; then
+        # shellcheck disable=SC2086  # the extra arguments are meant to split on spaces
+        python3 perf/bench_gateway.py "$FULL" --out /tmp/gateway ${EGEMMA_GATEWAY_ARGS:-} 2>&1 \
+          | tee "$OUT/bench_gateway.log" | grep -v "^\[transformers\]" | tail -n 14
+        cp /tmp/gateway/results.json "$OUT/gateway.json" 2>/dev/null
+      else
+        echo "gateway: no aiohttp/orjson on this host: carry .gpu/gateway-deps.tar.xz (activate.sh unpacks it)"
+      fi ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
   esac
 done
