@@ -1,0 +1,88 @@
+"""What this host gives the server, read without importing torch: the GPUs CUDA will number (after
+CUDA_VISIBLE_DEVICES), the CPU cores this process may use (affinity and cgroup quota, as in a Kubernetes pod),
+and the instance counts that follow from them."""
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+# Encoder instances per GPU: 3 (model_repository's count; 4 serves more under load, perf/RESULTS.md runs 16-22).
+# Tokenizer instances: one per 4 usable cores, at most 4 per GPU served, at least 1. Measured on an H200 host
+# with 16 cores (runs 16-18): 4 instances served as many requests/s as 6 for one GPU's 3-4 encoders (batches
+# grow instead), 2 served 14-20% fewer, 1 30% fewer; the 16 cores were ~60% busy at 13k requests/s. Past 4 per
+# GPU an instance only adds a process; below 4 cores each, instances compete for the cores that tokenise.
+CORES_PER_TOKENIZER = 4
+TOKENIZERS_PER_GPU = 4
+
+
+def physical_gpus() -> int:
+    """NVIDIA GPUs this process can open: `nvidia-smi -L`, else /proc/driver/nvidia/gpus (inside a container the
+    toolkit shows only the GPUs given to it); 0 without the driver."""
+    if not os.path.exists("/dev/nvidiactl"):
+        return 0
+    if shutil.which("nvidia-smi"):
+        try:
+            out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
+            n = sum(line.startswith("GPU ") for line in out.splitlines())
+            if n:
+                return n
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+    d = Path("/proc/driver/nvidia/gpus")
+    return len(list(d.iterdir())) if d.is_dir() else 0
+
+
+def cuda_numbered(physical: int, cuda_visible_devices: str | None) -> int:
+    """How many devices CUDA numbers 0..n-1: all physical ones, or those CUDA_VISIBLE_DEVICES lists (indices or
+    GPU-/MIG- UUIDs; CUDA stops at the first entry it cannot parse, and an empty value hides every GPU)."""
+    if cuda_visible_devices is None:
+        return physical
+    n = 0
+    for entry in cuda_visible_devices.split(","):
+        entry = entry.strip()
+        if not (entry.isdigit() and int(entry) < physical or entry.startswith(("GPU-", "MIG-"))):
+            break
+        n += 1
+    return min(n, physical)
+
+
+def visible_gpus() -> list[int]:
+    """CUDA device ids of this host's GPUs as the server and its model processes will number them."""
+    return list(range(cuda_numbered(physical_gpus(), os.environ.get("CUDA_VISIBLE_DEVICES"))))
+
+
+def parse_gpus(spec: str, visible: list[int]) -> list[int]:
+    """--gpus: "all" (every visible GPU; none on a CPU host) or a comma-separated list of visible device ids."""
+    if spec == "all":
+        return list(visible)
+    try:
+        ids = [int(s) for s in spec.split(",")]
+    except ValueError:
+        raise ValueError(f"--gpus {spec!r}: expected 'all' or device ids such as 0,1") from None
+    if len(set(ids)) != len(ids) or not set(ids) <= set(visible):
+        raise ValueError(f"--gpus {spec!r}: not distinct ids among the visible GPUs {visible or '(none)'}")
+    return ids
+
+
+def usable_cores() -> int:
+    """CPU cores this process may run on: its affinity, capped by a cgroup v2 (cpu.max) or v1 CPU quota."""
+    cores = len(os.sched_getaffinity(0))
+    for quota_file, period_file in (("/sys/fs/cgroup/cpu.max", None),
+                                    ("/sys/fs/cgroup/cpu/cpu.cfs_quota_us", "/sys/fs/cgroup/cpu/cpu.cfs_period_us")):
+        try:
+            fields = Path(quota_file).read_text().split()
+            quota, period = fields[0], (fields[1] if period_file is None else Path(period_file).read_text().strip())
+        except (OSError, IndexError):
+            continue
+        if quota not in ("max", "-1"):
+            cores = min(cores, max(1, math.ceil(int(quota) / int(period))))
+        break
+    return cores
+
+
+def tokenizer_instances(cores: int, gpus: int) -> int:
+    """The tokenizer's instance count for a host with `cores` usable cores serving `gpus` GPUs (rule above)."""
+    return max(1, min(cores // CORES_PER_TOKENIZER, TOKENIZERS_PER_GPU * max(gpus, 1)))

@@ -1,0 +1,177 @@
+"""Every GPU of a host: the encoder's instance group as rendered for 0, 1 and several GPUs (KIND_GPU only where
+there are GPUs: Triton refuses it without one), the --gpus option and the GPU count read without torch, the
+tokenizer's instance rule, and the encoder adapter placing its engine on the device Triton passes (its
+initialize run on a real engine with Triton's args; KIND_GPU without that GPU fails loudly). The real
+multi-GPU run is tests marked for GPU hosts here and the 2-GPU issue's."""
+import importlib.util
+import json
+import logging
+import re
+import sys
+import types
+
+import pytest
+import torch
+
+from egemma.ops.host import cuda_numbered, parse_gpus, tokenizer_instances, visible_gpus
+from egemma.ops.repository import REPO, render_repository
+from helpers import ROOT, text_input
+
+ENCODER = "embeddinggemma_encoder"
+
+
+def _groups(repo):
+    return {m: (repo / m / "config.pbtxt").read_text().split("instance_group ", 1)[1].split("\n", 1)[0]
+            for m in ("embeddinggemma_encoder", "embeddinggemma_tokenizer")}
+
+
+@pytest.mark.parametrize("gpus, instances, encoder", [
+    (None, {}, "[ { count: 3 kind: KIND_MODEL } ]"),  # a CPU host: what the launcher renders there
+    ([], {ENCODER: 1}, "[ { count: 1 kind: KIND_MODEL } ]"),
+    ([0], {}, "[ { count: 3 kind: KIND_GPU gpus: [ 0 ] } ]"),
+    ([0, 1, 3], {}, "[ { count: 3 kind: KIND_GPU gpus: [ 0, 1, 3 ] } ]"),
+    ([0, 1], {ENCODER: 4, "embeddinggemma_tokenizer": 8}, "[ { count: 4 kind: KIND_GPU gpus: [ 0, 1 ] } ]"),
+])
+def test_encoder_instance_group_for_0_1_and_several_gpus(checkpoints, tmp_path, gpus, instances, encoder):
+    repo = render_repository(tmp_path / "repo", checkpoints["eos"], instances=instances, gpus=gpus)
+    got = _groups(repo)
+    assert got[ENCODER] == encoder
+    tokenizers = instances.get("embeddinggemma_tokenizer", 4)
+    assert got["embeddinggemma_tokenizer"] == f"[ {{ count: {tokenizers} kind: KIND_CPU }} ]"  # never placed
+    again = _groups(render_repository(tmp_path / "again", checkpoints["eos"], src=repo, gpus=[2]))[ENCODER]
+    assert again == (encoder if gpus else encoder.replace("KIND_MODEL", "KIND_GPU gpus: [ 2 ]"))  # placed once
+
+
+def test_kind_cpu_models_are_never_placed(tmp_path, checkpoints):
+    repo = render_repository(tmp_path / "spin", checkpoints["eos"], src=ROOT / "tests" / "spin_repository",
+                             instances={"embeddinggemma": 2}, gpus=[0, 1])
+    assert "instance_group [ { count: 2 kind: KIND_CPU } ]" in (repo / "embeddinggemma" / "config.pbtxt").read_text()
+
+
+def test_gpus_option_and_cuda_numbering():
+    assert parse_gpus("all", [0, 1, 2]) == [0, 1, 2] and parse_gpus("all", []) == []
+    assert parse_gpus("2,0", [0, 1, 2]) == [2, 0]
+    for bad in ("0,0", "3", "x", "0,"):
+        with pytest.raises(ValueError, match="--gpus"):
+            parse_gpus(bad, [0, 1, 2])
+    with pytest.raises(ValueError, match="none"):
+        parse_gpus("0", [])
+    assert cuda_numbered(4, None) == 4
+    assert cuda_numbered(4, "2,3") == 2 and cuda_numbered(4, "") == 0 and cuda_numbered(4, "1,9,2") == 1
+    assert cuda_numbered(2, "GPU-8a2b,MIG-1c") == 2 and cuda_numbered(0, "0") == 0
+    if not torch.cuda.is_available():  # counted without torch; on a CPU host, none: the launcher keeps KIND_MODEL
+        assert visible_gpus() == []
+    else:
+        assert len(visible_gpus()) == torch.cuda.device_count()
+
+
+def test_tokenizer_instances_follow_the_cores():
+    assert tokenizer_instances(16, 1) == 4  # the measured point: an H200 host with 16 cores
+    assert tokenizer_instances(2, 1) == 1 and tokenizer_instances(1, 0) == 1
+    assert tokenizer_instances(64, 1) == 4  # one GPU's encoders are fed by 4
+    assert tokenizer_instances(64, 8) == 16 and tokenizer_instances(128, 8) == 32
+
+
+# ------------------------------------------------------------------------------ the adapter's initialize
+
+@pytest.fixture
+def encoder_model(monkeypatch):
+    """model_repository's encoder model.py, imported as the stub would, with a stand-in for the C half of
+    triton_python_backend_utils (MetricFamily), which exists only inside the stub process."""
+    class MetricFamily:
+        COUNTER = "counter"
+
+        def __init__(self, name, description, kind):
+            self.name = name
+
+        def Metric(self, labels):
+            return types.SimpleNamespace(increment=lambda v: None)
+    monkeypatch.setitem(sys.modules, "triton_python_backend_utils",
+                        types.SimpleNamespace(MetricFamily=MetricFamily, InferenceResponse=object, Tensor=object,
+                                              TritonError=object))
+    spec = importlib.util.spec_from_file_location("encoder_model_py", REPO / ENCODER / "1" / "model.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.TritonPythonModel
+
+
+def _args(repo, kind, device_id, name="embeddinggemma_encoder_0_0"):
+    """What Triton's Python backend passes to initialize (every value a string)."""
+    cfg = (repo / ENCODER / "config.pbtxt").read_text()
+    params = dict(re.findall(r'parameters \{ key: "(\w+)" value: \{ string_value: "([^"]*)" \} \}', cfg))
+    return {"model_config": json.dumps({"name": ENCODER, "parameters": {k: {"string_value": v}
+                                                                         for k, v in params.items()}}),
+            "model_instance_kind": kind, "model_instance_device_id": str(device_id), "model_instance_name": name,
+            "model_repository": str(repo / ENCODER), "model_version": "1", "model_name": ENCODER}
+
+
+@pytest.fixture
+def rendered(checkpoints, tmp_path):
+    return render_repository(tmp_path / "repo", checkpoints["eos"], {"matryoshka_dims": "48,32,16"})
+
+
+def test_initialize_builds_the_engine_where_triton_placed_it(encoder_model, rendered, tmp_path, monkeypatch,
+                                                              caplog):
+    from egemma.serving.instance import HEARTBEAT_DIR, read_heartbeats
+    monkeypatch.setenv(HEARTBEAT_DIR, str(tmp_path))
+    m = encoder_model()
+    with caplog.at_level(logging.INFO, logger="egemma"):
+        m.initialize(_args(rendered, "CPU", 0, "embeddinggemma_encoder_0_1"))
+    assert m.engine.device == torch.device("cpu")
+    assert m.engine.embed([torch.arange(5).numpy()]).shape == (1, 48)
+    assert "egemma: encoder instance embeddinggemma_encoder_0_1 on cpu" in caplog.text
+    begin, end, pid = read_heartbeats(tmp_path)["embeddinggemma_encoder_0_1"]
+    assert (begin, end) == (0.0, 0.0) and pid > 0
+
+
+def test_kind_gpu_without_that_gpu_fails_loudly(encoder_model, rendered):
+    """Triton refuses KIND_GPU on a host without GPUs; a stub that sees fewer GPUs than the server placed it on
+    (another CUDA_VISIBLE_DEVICES) must not run on the CPU or on another GPU."""
+    missing = torch.cuda.device_count() if torch.cuda.is_available() else 0  # one past the last: never there
+    with pytest.raises(RuntimeError, match=f"GPU {missing} \\(KIND_GPU\\).*CUDA device"):
+        encoder_model().initialize(_args(rendered, "GPU", missing))
+
+
+def test_a_device_parameter_contradicting_the_placement_is_an_error(encoder_model, checkpoints, tmp_path):
+    repo = render_repository(tmp_path / "r", checkpoints["eos"])
+    cfg = repo / ENCODER / "config.pbtxt"
+    assert 'key: "device"' not in cfg.read_text()
+    cfg.write_text(cfg.read_text() + 'parameters { key: "device" value: { string_value: "cpu" } }\n')
+    with pytest.raises(ValueError, match="contradicts Triton's placement on GPU 1"):
+        encoder_model().initialize(_args(repo, "GPU", 1))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_each_instance_runs_on_its_gpu(encoder_model, rendered):
+    """On a host with 2+ GPUs: the instance Triton puts on GPU 1 builds its engine, graphs and all, there and gives
+    the embeddings of the one on GPU 0."""
+    a, b = encoder_model(), encoder_model()
+    a.initialize(_args(rendered, "GPU", 0, "embeddinggemma_encoder_0_0"))
+    b.initialize(_args(rendered, "GPU", 1, "embeddinggemma_encoder_0_3"))
+    assert a.engine.device == torch.device("cuda:0") and b.engine.device == torch.device("cuda:1")
+    assert torch.cuda.current_device() == 1
+    ids = [torch.arange(3, 40).numpy()]
+    assert torch.allclose(torch.from_numpy(a.engine.embed(ids)), torch.from_numpy(b.engine.embed(ids)), atol=1e-3)
+
+
+# ------------------------------------------------------------------------------ through the real server
+
+def test_served_instances_log_their_device_and_stamp_heartbeats(server):
+    """The real Triton args: one log line per encoder instance naming its device, and a heartbeat per instance
+    of both models whose last execute has ended."""
+    import tritonclient.grpc as grpcclient
+    from egemma.ops.procfs import stub_pids
+    from egemma.serving.instance import read_heartbeats
+    grpcclient.InferenceServerClient(server.grpc_url).infer("embeddinggemma", [text_input(["placed"])])
+    log = (server.run_dir / "tritonserver.log").read_text(errors="replace")
+    assert "kind: KIND_MODEL" in (server.repo / ENCODER / "config.pbtxt").read_text()  # TritonServer's default
+    encoders = [m for m in stub_pids(server.proc.pid).values() if ENCODER in m]
+    lines = [line for line in log.splitlines() if "egemma: encoder instance" in line]
+    assert len(lines) == len(encoders) >= 1, lines
+    assert all(line.rstrip().endswith((" on cpu", " on cuda:0")) for line in lines), lines
+    beats = read_heartbeats(server.heartbeat_dir)
+    assert set(beats) >= {"embeddinggemma_encoder_0_0", "embeddinggemma_tokenizer_0_0"}, beats
+    assert {pid for _, _, pid in beats.values()} <= set(stub_pids(server.proc.pid))
+    assert all(end >= begin for begin, end, _ in beats.values()), beats  # none left inside an execute
+    for model in (ENCODER, "embeddinggemma_tokenizer"):  # the request went through one instance of each
+        assert any(begin > 0 for name, (begin, _, _) in beats.items() if name.startswith(model + "_")), beats
