@@ -299,6 +299,9 @@ def main():
                     help="instance-count variants, e.g. embeddinggemma_encoder=2,embeddinggemma_tokenizer=6")
     ap.add_argument("--cjk-dir", type=Path, help="a folder of *-utf8.txt CJK texts (default: this Python's "
                                                  "test/cjkencodings)")
+    ap.add_argument("--gpu0", action="store_true",
+                    help="also serve with the encoder placed by the launcher's --gpus 0 (KIND_GPU on GPU 0) instead of "
+                         "the repository's KIND_MODEL: it must serve as the defaults do")
     ap.add_argument("--floor", action="store_true",
                     help="also serve the repository with both models doing nothing (perf/floor_model.py): what "
                          "Triton, the ensemble and the Python backend cost on this host")
@@ -328,25 +331,28 @@ def main():
     results = {}
     log = open(a.out / "perf_analyzer.log", "w")
     ours = ROOT / "model_repository"
-    # (name, repository, model, suite, instance counts, stub Python: None = the default numpy<2 one)
-    suites = [("ours", ours, "embeddinggemma", a.suite, None, None)]
+    # (name, repository, model, suite, instance counts, stub Python: None = the default numpy<2 one, GPUs to place on)
+    suites = [("ours", ours, "embeddinggemma", a.suite, None, None, None)]
     for v in a.sweep:  # named like "ours tok6 enc3"
         counts = {m: int(n) for m, n in (kv.split("=") for kv in v.split(","))}
         suites.append(("ours " + " ".join(f"{m.rsplit('_', 1)[-1][:3]}{n}" for m, n in counts.items()), ours,
-                       "embeddinggemma", "short", counts, None))
+                       "embeddinggemma", "short", counts, None, None))
+    if a.gpu0:
+        suites.append(("ours gpus=0", ours, "embeddinggemma", "short", None, None, [0]))
     if a.floor:
-        suites.append(("floor", floor_repository(a.out / "floor_repository"), "embeddinggemma", "short", None, None))
+        suites.append(("floor", floor_repository(a.out / "floor_repository"), "embeddinggemma", "short", None, None,
+                       None))
     if not a.skip_baseline:  # sentence-transformers needs the host's numpy 2: its stub runs this Python
         suites.append(("st_bf16", ROOT / "perf" / "baseline_repository", "st_bf16", "short", None,
-                       str(Path(sys.executable).parent)))
-    for name, repo, model, suite, instances, stub_bin in suites:
+                       str(Path(sys.executable).parent), None))
+    for name, repo, model, suite, instances, stub_bin, gpus in suites:
         t0 = time.perf_counter()
         tag = re.sub(r"[^A-Za-z0-9_.-]+", "_", name)  # for file names
         try:
             with open(a.out / f"server_{tag}.log", "w") as slog, \
                     TritonServer(a.checkpoint, http_port=free_port(), grpc_port=free_port(),
                                  metrics_port=free_port(), log_file=slog, repository=repo, instances=instances,
-                                 stub_bin=stub_bin) as s:
+                                 stub_bin=stub_bin, gpus=gpus) as s:
                 print(f"{name}: server ready in {time.perf_counter() - t0:.1f}s", flush=True)
                 results[name] = run_suite(tag, s.grpc_url, f"{s.host}:{s.metrics_port}", model,
                                           data[stub_bin is not None], a.out, log, suite)
