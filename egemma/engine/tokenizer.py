@@ -57,7 +57,8 @@ class TextTokenizer:
         if name is None:
             return ""
         if name not in self.cfg.prompts:
-            raise PromptError(f"unknown prompt_name {name!r}; valid: {sorted(self.cfg.prompts)}")
+            shown = f"{name[:64]!r}{'...' if len(name) > 64 else ''}"  # a name of any size is never echoed whole
+            raise PromptError(f"unknown prompt_name {shown}; valid: {sorted(self.cfg.prompts)}")
         return self.cfg.prompts[name]
 
     def _ids(self, texts: list[str], max_tokens: int | None) -> list[list[int]]:

@@ -49,6 +49,21 @@ class Adapter:
     def outputs(self, tensors: dict[str, Any]):
         return self.pb.InferenceResponse(output_tensors=[self.pb.Tensor(k, v) for k, v in tensors.items()])
 
+    def respond_each(self, responses: list, items, respond: Callable):
+        """responses[i] = respond(*args) for each (i, args) of items; a raise costs only that request."""
+        for i, args in items:
+            try:
+                responses[i] = respond(*args)
+            except Exception as e:
+                responses[i] = self.error(e)
+
+    def count(self, counters, **values):
+        """Metrics never cost a response: a failure to count is logged."""
+        try:
+            counters.add(**values)
+        except Exception as e:
+            log.error("metrics: %s", e, exc_info=e)
+
     def parse_each(self, requests, parse: Callable) -> tuple[list, list[tuple[int, Any]]]:
         """(responses: None, or the error response of each request parse(request) raised for;
         [(index, parsed)] of the others)."""

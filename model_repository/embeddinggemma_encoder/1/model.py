@@ -8,6 +8,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from egemma.engine import Engine, EngineConfig
+from egemma.serving.instance import Heartbeat, instance_device
 from egemma.serving.metrics import Counters
 from egemma.serving.options import OptionError, RequestOptions, allowed_dimensions, check_dimensions, shape_output
 from egemma.serving.triton import Adapter, triton_params
@@ -18,9 +19,11 @@ class TritonPythonModel:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
         checkpoint, params = triton_params(args["model_config"])
         dims_spec = params.pop("matryoshka_dims", "")
-        if args.get("model_instance_kind") == "GPU":
-            params.setdefault("device", f"cuda:{args['model_instance_device_id']}")
+        params["device"] = instance_device(args, params.get("device", "auto"))
         self.engine = Engine(EngineConfig.from_params(checkpoint, params))
+        logging.getLogger("egemma").info("egemma: encoder instance %s on %s", args["model_instance_name"],
+                                         self.engine.device)
+        self.beat = Heartbeat(args["model_instance_name"])
         self.dims = allowed_dimensions(dims_spec, self.engine.cfg.out_dim)
         self.a = Adapter(pb_utils)
         self.counters = Counters(pb_utils, {
@@ -57,6 +60,13 @@ class TritonPythonModel:
                 if rows and (why := self.engine.check(np.concatenate(rows), max(len(r) for r in rows)))}
 
     def execute(self, requests):
+        self.beat.begin()  # the watchdog tells a hung instance by a begin without an end (egemma.serving.instance)
+        try:
+            return self._execute(requests)
+        finally:
+            self.beat.end()
+
+    def _execute(self, requests):
         responses, parsed = self.a.parse_each(requests, self._parse)
         try:
             bad = self._vocab_errors(parsed)
@@ -75,12 +85,9 @@ class TritonPythonModel:
             for i, *_ in spans:
                 responses[i] = self.a.internal(e, "engine failure")
             return responses
-        for i, a, b, opts in spans:
-            responses[i] = self.a.outputs(dict([shape_output(emb[a:b], opts)]))
-        self._count(len(seqs))
-        return responses
-
-    def _count(self, n_seqs):
+        self.a.respond_each(responses, [(i, (emb[a:b], opts)) for i, a, b, opts in spans],
+                            lambda e, opts: self.a.outputs(dict([shape_output(e, opts)])))
         stats = self.engine.stats
-        self.counters.add(executes=1, sequences=n_seqs, **{k: v - self.seen[k] for k, v in stats.items()})
+        self.a.count(self.counters, executes=1, sequences=len(seqs), **{k: v - self.seen[k] for k, v in stats.items()})
         self.seen = dict(stats)
+        return responses

@@ -9,6 +9,7 @@ import triton_python_backend_utils as pb_utils
 
 from egemma.engine.config import ModelConfig
 from egemma.engine.tokenizer import TextTokenizer
+from egemma.serving.instance import Heartbeat
 from egemma.serving.metrics import Counters
 from egemma.serving.options import OptionError, RequestOptions
 from egemma.serving.triton import Adapter, triton_params
@@ -21,17 +22,27 @@ class TritonPythonModel:
         self.tok = TextTokenizer(self.cfg, params.get("tokenizer_json"))
         self.max_text_bytes = int(params.get("max_text_bytes", 1_000_000))
         self.a = Adapter(pb_utils)
+        self.beat = Heartbeat(args["model_instance_name"])
         self.counters = Counters(pb_utils, {"tokenizer_seconds": "Time spent tokenising, seconds",
                                             "texts": "Texts tokenised"})
 
     def _texts(self, req) -> tuple[list[str], RequestOptions]:
         opts = RequestOptions.parse(req.parameters())
         prefix = self.tok.prefix(opts.prompt_name, opts.prompt)
+        # prompt + text is what gets tokenised: together under max_text_bytes (a 20 MB prompt cost seconds of CPU)
+        try:
+            n_prefix = len(prefix.encode())
+        except UnicodeEncodeError as e:
+            raise OptionError(f"the prompt is not valid Unicode: {e}") from None
+        if n_prefix > self.max_text_bytes:
+            raise OptionError(f"the prompt has {n_prefix} bytes, over this server's max_text_bytes "
+                              f"({self.max_text_bytes}, prompt and text together)")
         out = []
         for j, t in enumerate(pb_utils.get_input_tensor_by_name(req, "TEXT").as_numpy().reshape(-1)):
             raw = t if isinstance(t, bytes) else str(t).encode()
-            if len(raw) > self.max_text_bytes:
-                raise OptionError(f"text {j} has {len(raw)} bytes, over this server's max_text_bytes "
+            if len(raw) + n_prefix > self.max_text_bytes:
+                with_prompt = f" + a {n_prefix}-byte prompt" if n_prefix else ""
+                raise OptionError(f"text {j} has {len(raw)} bytes{with_prompt}, over this server's max_text_bytes "
                                   f"({self.max_text_bytes})")
             try:
                 out.append(prefix + raw.decode("utf-8"))
@@ -75,10 +86,18 @@ class TritonPythonModel:
         return self.a.outputs({"INPUT_IDS": ids, "SEQ_LEN": lens[:, None]})
 
     def execute(self, requests):
+        self.beat.begin()  # the watchdog tells a hung instance by a begin without an end (egemma.serving.instance)
+        try:
+            return self._execute(requests)
+        finally:
+            self.beat.end()
+
+    def _execute(self, requests):
         t0 = time.perf_counter()
         responses, parsed = self.a.parse_each(requests, self._texts)
-        for (i, (texts, opts)), rows in zip(parsed, self._encode(parsed, responses)):
-            if rows is not None:
-                responses[i] = self._response(texts, rows, opts)
-        self.counters.add(texts=sum(len(t) for _, (t, _) in parsed), tokenizer_seconds=time.perf_counter() - t0)
+        encoded = [(i, (texts, rows, opts)) for (i, (texts, opts)), rows in zip(parsed, self._encode(parsed, responses))
+                   if rows is not None]
+        self.a.respond_each(responses, encoded, self._response)
+        self.a.count(self.counters, texts=sum(len(t) for _, (t, _) in parsed),
+                     tokenizer_seconds=time.perf_counter() - t0)
         return responses
