@@ -1,5 +1,11 @@
 """The engine: a checkpoint's config and weights, the packed varlen Gemma3 encoder, its CUDA graphs and the
 tokenizer. It imports nothing from egemma.serving or egemma.ops, so it runs and is tested without Triton."""
-from egemma.engine.engine import Engine, EngineConfig
 
 __all__ = ["Engine", "EngineConfig"]
+
+
+def __getattr__(name):  # lazily: egemma.engine.config alone (the HTTP gateway reads it) must not import torch
+    if name in __all__:
+        from egemma.engine import engine
+        return getattr(engine, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

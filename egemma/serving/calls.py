@@ -1,0 +1,160 @@
+"""The Triton calls behind the gateway's OpenAI and TEI routes, over its one shared aio gRPC client: texts through
+the ensemble, token ids straight to the encoder, texts through the tokenizer model; and the served model's facts
+(special ids, lengths, instance counts), read once from the configs and checkpoint the models themselves load."""
+from __future__ import annotations
+
+import asyncio
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import tritonclient.grpc as grpcclient
+from aiohttp import web
+from tritonclient.utils import InferenceServerException
+
+ENSEMBLE, ENCODER, TOKENIZER = "embeddinggemma", "embeddinggemma_encoder", "embeddinggemma_tokenizer"
+MAX_INPUTS = 2048  # inputs per HTTP request (OpenAI's own limit); the gateway splits them into calls of max_batch
+_OUT_EMB = [grpcclient.InferRequestedOutput("EMBEDDING")]
+_OUT_EMB_TOK = [*_OUT_EMB, grpcclient.InferRequestedOutput("NUM_TOKENS")]
+_OUT_IDS = [grpcclient.InferRequestedOutput("INPUT_IDS"), grpcclient.InferRequestedOutput("SEQ_LEN")]
+
+
+class BackendError(Exception):
+    """A failed Triton call. kind: "invalid" (the request is at fault), "unavailable" (no server or model
+    now), "overloaded", or "internal"."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
+
+
+_KINDS = {"StatusCode.INVALID_ARGUMENT": "invalid", "StatusCode.UNAVAILABLE": "unavailable",
+          "StatusCode.RESOURCE_EXHAUSTED": "overloaded"}
+
+
+async def _infer(gw, model: str, inputs, outputs, params: dict):
+    try:
+        return await gw.grpc.infer(model, inputs, outputs=outputs, parameters=params or None)
+    except InferenceServerException as e:
+        raise BackendError(_KINDS.get(str(e.status()), "internal"), e.message()) from None
+
+
+def _chunks(n: int, size: int):
+    return [(a, min(a + size, n)) for a in range(0, n, size)]
+
+
+async def gather(*aws) -> list:
+    """asyncio.gather that lets every call finish and then raises the first failure (a plain gather would
+    leave the others' errors unretrieved)."""
+    out = await asyncio.gather(*aws, return_exceptions=True)
+    for r in out:
+        if isinstance(r, BaseException):
+            raise r
+    return out
+
+
+def _text_input(texts: list[str]):
+    t = grpcclient.InferInput("TEXT", [len(texts), 1], "BYTES")
+    t.set_data_from_numpy(np.array([[s.encode()] for s in texts], dtype=np.object_))
+    return t
+
+
+async def embed_texts(gw, texts: list[str], params: dict) -> tuple[np.ndarray, np.ndarray]:
+    """(embeddings [n, D] fp32, token counts [n] as embedded: prompt, BOS and EOS included). Inputs over
+    gw.max_batch go out as several calls at once."""
+    async def one(a, b):
+        r = await _infer(gw, ENSEMBLE, [_text_input(texts[a:b])], _OUT_EMB_TOK, params)
+        return r.as_numpy("EMBEDDING"), r.as_numpy("NUM_TOKENS").reshape(-1)
+    if len(texts) <= gw.max_batch:  # the common request: one call, no gather
+        return await one(0, len(texts))
+    parts = await gather(*(one(a, b) for a, b in _chunks(len(texts), gw.max_batch)))
+    return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+
+
+async def embed_ids(gw, rows: list[np.ndarray], params: dict) -> np.ndarray:
+    """Embeddings [n, D] of complete id sequences (specials already in place), through the encoder model."""
+    async def one(a, b):
+        lens = np.array([[len(r)] for r in rows[a:b]], dtype=np.int32)
+        ids = np.zeros((b - a, int(lens.max())), dtype=np.int32)  # padding past SEQ_LEN is never read
+        for j, r in enumerate(rows[a:b]):
+            ids[j, :len(r)] = r
+        i = grpcclient.InferInput("INPUT_IDS", list(ids.shape), "INT32")
+        i.set_data_from_numpy(ids)
+        s = grpcclient.InferInput("SEQ_LEN", list(lens.shape), "INT32")
+        s.set_data_from_numpy(lens)
+        return (await _infer(gw, ENCODER, [i, s], _OUT_EMB, params)).as_numpy("EMBEDDING")
+    return np.concatenate(await gather(*(one(a, b) for a, b in _chunks(len(rows), gw.max_batch))))
+
+
+async def tokenize(gw, texts: list[str], params: dict) -> list[np.ndarray]:
+    """The ids the ensemble embeds for each text (BOS, prompt, text, EOS; truncated), from the tokenizer model."""
+    async def one(a, b):
+        r = await _infer(gw, TOKENIZER, [_text_input(texts[a:b])], _OUT_IDS, params)
+        ids, lens = r.as_numpy("INPUT_IDS"), r.as_numpy("SEQ_LEN").reshape(-1)
+        return [ids[j, :n] for j, n in enumerate(lens.tolist())]
+    return [r for part in await gather(*(one(a, b) for a, b in _chunks(len(texts), gw.max_batch)))
+            for r in part]
+
+
+def complete_ids(rows: list[list[int]], facts: "Facts", truncate: bool) -> list[np.ndarray]:
+    """Clients' token id lists as the encoder gets them: BOS prepended unless the first id is BOS, EOS appended
+    unless the last is EOS (so ids with or without specials, e.g. from /tokenize, embed as their text does);
+    over max_length cut keeping EOS last as for text. ValueError naming the input for an id outside the
+    vocabulary, or (truncate=False) an over-long input."""
+    c, out = facts.cfg, []
+    for j, ids in enumerate(rows):
+        if (bad := next((t for t in ids if not 0 <= t < c.vocab_size), None)) is not None:
+            raise ValueError(f"input {j}: token id {bad} is outside the vocabulary [0, {c.vocab_size})")
+        seq = [c.bos_id] * (ids[:1] != [c.bos_id]) + ids + [c.eos_id] * (ids[-1:] != [c.eos_id])
+        if len(seq) > c.max_seq_length:
+            if not truncate:
+                raise ValueError(f"input {j} has {len(seq)} tokens with BOS/EOS, over the {c.max_seq_length}-token "
+                                 "limit (truncate=false)")
+            seq = seq[:c.max_seq_length - 1] + [c.eos_id]
+        out.append(np.asarray(seq, dtype=np.int32))
+    return out
+
+
+@dataclass(frozen=True)
+class Facts:
+    cfg: object  # egemma.engine.config.ModelConfig of the checkpoint the models loaded
+    tokenizer_json: str  # the file the tokenizer model loaded
+    encoder_params: dict
+    tokenizer_instances: int
+    encoder_max_batch: int
+
+
+_FACTS = web.AppKey("egemma_facts", dict)
+
+
+def init(app: web.Application):
+    """Per-app state, made before the app starts (an aiohttp app's state is frozen after)."""
+    if _FACTS not in app:
+        app[_FACTS] = {"lock": asyncio.Lock()}
+
+
+async def facts(app: web.Application) -> Facts:
+    """Read once per process, from the model configs as Triton loaded them (their checkpoint and tokenizer
+    file parameters are the paths the models use) and the checkpoint's own JSON files; retried on the next
+    request when Triton is not up yet."""
+    st = app[_FACTS]
+    if "facts" in st:
+        return st["facts"]
+    async with st["lock"]:
+        if "facts" not in st:
+            st["facts"] = await _load_facts(app["gw"])
+    return st["facts"]
+
+
+async def _load_facts(gw) -> Facts:
+    from egemma.engine.config import ModelConfig  # torch-free: the gateway never loads the engine
+    try:
+        tok = (await gw.grpc.get_model_config(TOKENIZER, as_json=True))["config"]
+        enc = (await gw.grpc.get_model_config(ENCODER, as_json=True))["config"]
+    except InferenceServerException as e:
+        raise BackendError("unavailable", f"cannot read the model configs from Triton: {e.message()}") from None
+    tp = {k: v.get("string_value", "") for k, v in tok.get("parameters", {}).items()}
+    ep = {k: v.get("string_value", "") for k, v in enc.get("parameters", {}).items()}
+    cfg = ModelConfig.load(tp.get("checkpoint") or os.environ.get("EMBEDDINGGEMMA_PATH", ""))
+    instances = sum(int(g.get("count", 1)) for g in tok.get("instance_group", [])) or 1
+    return Facts(cfg, tp.get("tokenizer_json", ""), ep, instances, int(enc.get("max_batch_size", 0)))

@@ -1,0 +1,238 @@
+"""Hugging Face text-embeddings-inference (TEI) routes on the gateway: POST /embed (and POST /, as TEI serves
+an embedding model), POST /embed_all (501), POST /tokenize, GET /info, GET /health, GET /metrics.
+
+Request and response shapes, status codes and the error body {"error": str, "error_type": "Validation" |
+"Empty" | "Backend" | "Overloaded" | "Unhealthy"} are TEI's (docs/openapi.json, router/src/http). Where this
+server differs from TEI:
+- normalize=false is a 422: the embeddings are always L2-normalised (the checkpoint's Normalize module runs in
+  the encoder), so unnormalised vectors cannot be given.
+- truncation_direction=left is honoured for inputs that need no truncation (left and right give the same ids);
+  an input that would have to be cut is a 422 (this server cuts on the right, keeping EOS last).
+- token-id inputs get BOS/EOS added where missing (as the OpenAI route); TEI embeds them without specials.
+  prompt_name with token ids is a 422 (TEI decodes and re-tokenises them).
+- /tokenize returns the ids the embedding uses (truncated to 2048 unless truncate=false; TEI's are untruncated);
+  `text` is the vocabulary piece (e.g. "▁Mars"), not a slice of the input, and start/stop are null.
+- /embed_all is a 501: per-token hidden states never leave the encoder's CUDA graph.
+- /metrics is Triton's Prometheus text (plus egemma_*), not TEI's te_* metrics."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from importlib import metadata
+
+import numpy as np
+from aiohttp import web
+
+from egemma.serving import calls
+from egemma.serving.gateway import verdict
+from egemma.serving.openai_api import json_response, read_json
+from egemma.serving.upstream import Upstream
+
+# TEI's ErrorType -> status (router/src/http/server.rs); "invalid" backend errors are the request's fault
+STATUS = {"Unhealthy": 503, "Backend": 424, "Overloaded": 429, "Tokenizer": 422, "Validation": 422, "Empty": 400}
+_BACKEND_TYPE = {"invalid": "Validation", "unavailable": "Unhealthy", "overloaded": "Overloaded",
+                 "internal": "Backend"}
+_VOCAB = web.AppKey("egemma_vocab", dict)
+log = logging.getLogger("egemma")
+
+
+class TEIError(Exception):
+    def __init__(self, status: int, message: str, error_type: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.error_type = error_type or "Validation"
+
+
+def error_response(status: int, message: str, error_type: str) -> web.Response:
+    return json_response({"error": message, "error_type": error_type}, status)
+
+
+def _handle(fn):
+    async def route(request: web.Request) -> web.Response:
+        try:
+            return await fn(request)
+        except TEIError as e:
+            return error_response(e.status, str(e), e.error_type)
+        except calls.BackendError as e:
+            t = _BACKEND_TYPE[e.kind]
+            return error_response(STATUS[t], str(e), t)
+        except Exception as e:  # a bug of ours: logged, and still an answer in TEI's shape
+            log.exception("tei %s", request.path)
+            return error_response(500, f"internal error: {type(e).__name__}: {e}", "Backend")
+    return route
+
+
+def _inputs(x, ids_ok: bool) -> list:
+    """TEI's Input: a string, one id list, or a list of strings / id lists; returns the list."""
+    if isinstance(x, str) or (ids_ok and isinstance(x, list) and x and all(type(t) is int for t in x)):
+        x = [x]
+    if not isinstance(x, list):
+        raise TEIError(422, "inputs must be a string or a list of " + ("strings or token id lists" if ids_ok
+                                                                      else "strings"))
+    if not x:
+        raise TEIError(400, "`inputs` cannot be empty", "Empty")
+    if len(x) > calls.MAX_INPUTS:
+        raise TEIError(422, f"batch size {len(x)} > maximum allowed batch size {calls.MAX_INPUTS}")
+    for j, t in enumerate(x):
+        if not (isinstance(t, str) or ids_ok and isinstance(t, list) and all(type(i) is int for i in t)):
+            raise TEIError(422, f"inputs[{j}] must be a string" + (" or a list of token ids" if ids_ok else ""))
+        if isinstance(t, list) and not t:
+            raise TEIError(400, f"inputs[{j}] is empty", "Empty")
+    return x
+
+
+def _flag(body: dict, key: str, default):
+    v = body.get(key)
+    if v is None:
+        return default
+    if type(v) is not bool:
+        raise TEIError(422, f"{key} must be true or false, got {v!r}")
+    return v
+
+
+def _left(body: dict) -> bool:
+    d = body.get("truncation_direction") or "right"
+    if d not in ("left", "Left", "right", "Right"):
+        raise TEIError(422, f"truncation_direction must be Left or Right, got {d!r}")
+    return d.lower() == "left"
+
+
+async def embed(request: web.Request) -> web.Response:
+    gw = request.app["gw"]
+    body = await read_json(request, _read_error)
+    items = _inputs(body.get("inputs"), ids_ok=True)
+    if not _flag(body, "normalize", True):
+        raise TEIError(422, "normalize=false is not supported: this model's embeddings are always L2-normalised "
+                            "(its Normalize module runs inside the encoder)")
+    truncate, left = _flag(body, "truncate", True), _left(body)
+    for k, t in (("prompt_name", str), ("dimensions", int)):
+        if body.get(k) is not None and type(body[k]) is not t:
+            raise TEIError(422, f"{k} must be {'a string' if t is str else 'an integer'}, got {body[k]!r}")
+    params = {k: body[k] for k in ("prompt_name", "dimensions") if body.get(k) is not None}
+    text_at = [j for j, t in enumerate(items) if isinstance(t, str)]
+    ids_at = [j for j, t in enumerate(items) if not isinstance(t, str)]
+    if ids_at and "prompt_name" in params:
+        raise TEIError(422, "prompt_name applies to text inputs; with token ids, put the prompt's ids first")
+    # left truncation can be honoured exactly when nothing is cut: then ask for no truncation at all
+    cut = truncate and not left
+    text_params = params if cut else {**params, "truncate": False}  # no parameter at all: Triton's fast path
+    try:
+        parts = await calls.gather(
+            calls.embed_texts(gw, [items[j] for j in text_at], text_params) if text_at else _none(),
+            _embed_ids(request.app, [items[j] for j in ids_at], params, cut) if ids_at else _none())
+    except (calls.BackendError, TEIError) as e:
+        if left and truncate and getattr(e, "kind", "invalid") == "invalid":  # maybe an input that needs cutting
+            raise TEIError(422, f"{e}; truncation_direction=left is honoured only for inputs that need no "
+                                "truncation (this server cuts on the right, keeping EOS last)") from None
+        raise
+    out = [None] * len(items)
+    for at, part in zip((text_at, ids_at), parts):
+        for j, row in zip(at, part[0] if part else ()):
+            out[j] = row
+    return json_response(np.stack(out))
+
+
+async def _none():
+    return None
+
+
+async def _embed_ids(app, rows, params, truncate):
+    try:
+        seqs = calls.complete_ids(rows, await calls.facts(app), truncate)
+    except ValueError as e:
+        raise TEIError(422, f"token ids: {e}") from None
+    return (await calls.embed_ids(app["gw"], seqs, params),)
+
+
+def _read_error(status: int, message: str) -> TEIError:
+    return TEIError(status, message, "Validation")
+
+
+async def embed_all(request: web.Request) -> web.Response:
+    return error_response(501, "embed_all is not available: the encoder returns pooled, projected embeddings; "
+                               "per-token hidden states never leave its CUDA graph", "Backend")
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    gw = request.app["gw"]
+    body = await read_json(request, _read_error)
+    texts = _inputs(body.get("inputs"), ids_ok=False)
+    specials = _flag(body, "add_special_tokens", True)
+    params = {"truncate": _flag(body, "truncate", True)}
+    if body.get("prompt_name") is not None:
+        params["prompt_name"] = body["prompt_name"]
+    seqs = await calls.tokenize(gw, texts, params)
+    vocab = await _vocab(request.app)
+    return json_response([[{"id": i, "text": vocab["pieces"][i], "special": i in vocab["special"],
+                                "start": None, "stop": None} for i in (s if specials else s[1:-1]).tolist()]
+                              for s in seqs])
+
+
+async def _vocab(app) -> dict:
+    """Pieces and special ids of the tokenizer file the tokenizer model loaded (read on first use)."""
+    st = app[_VOCAB]
+    if "pieces" not in st:
+        from tokenizers import Tokenizer
+        facts = await calls.facts(app)
+        path = facts.tokenizer_json or str(facts.cfg.path / "tokenizer.json")
+        tok = await asyncio.to_thread(Tokenizer.from_file, path)
+        st["special"] = {i for i, t in tok.get_added_tokens_decoder().items() if t.special}
+        st["pieces"] = [tok.id_to_token(i) or "" for i in range(tok.get_vocab_size())]
+    return st
+
+
+async def info(request: web.Request) -> web.Response:
+    gw = request.app["gw"]
+    f = await calls.facts(request.app)
+    try:
+        version = metadata.version("embeddinggemma-triton")
+    except metadata.PackageNotFoundError:
+        version = "unknown"
+    return json_response({
+        "model_id": gw.model_name, "model_sha": None, "model_dtype": f.encoder_params.get("dtype") or "auto",
+        "served_model_name": gw.model_name, "model_type": {"embedding": {"pooling": "mean"}},
+        "max_concurrent_requests": 0, "max_input_length": f.cfg.max_seq_length,
+        "max_batch_tokens": int(f.encoder_params.get("max_tokens") or 0), "max_batch_requests": f.encoder_max_batch,
+        "max_client_batch_size": calls.MAX_INPUTS, "auto_truncate": True,
+        "tokenization_workers": f.tokenizer_instances, "version": version, "sha": None, "docker_label": None})
+
+
+async def health_route(request: web.Request) -> web.Response:
+    """200 (empty) while serving, else 503: the watchdog's verdict when the launcher runs one, else Triton's
+    readiness of the ensemble. Also the OpenAI-side /health (vLLM's: 200, empty)."""
+    gw = request.app["gw"]
+    if gw.health_file:
+        ok, why = verdict(gw)
+    else:
+        try:
+            ok = await gw.grpc.is_model_ready(calls.ENSEMBLE)
+        except Exception as e:  # any failure to ask is a failure to serve
+            ok, why = False, f"Triton is not reachable: {e}"
+        else:
+            why = "the model is not ready"
+    return web.Response(status=200) if ok else error_response(503, f"unhealthy: {why}", "Unhealthy")
+
+
+async def metrics(request: web.Request) -> web.Response:
+    """Triton's Prometheus text as it is (nv_inference_*, egemma_*), from its metrics port."""
+    gw = request.app["gw"]
+    if not gw.triton_metrics:
+        return error_response(404, "no metrics here: the gateway was started without --triton-metrics; "
+                                   "Triton's are on its metrics port (8002 by default)", "Backend")
+    up = Upstream(gw.triton_metrics)  # a scrape every few seconds at most: no pool to keep
+    try:
+        status, _, text = await up.request("GET", "/metrics", {}, None)
+    except (OSError, asyncio.TimeoutError) as e:
+        return error_response(503, f"Triton's metrics endpoint is not reachable: {e}", "Unhealthy")
+    finally:
+        up.close()
+    return web.Response(body=text, status=status, content_type="text/plain", charset="utf-8")
+
+
+def add_routes(app: web.Application) -> None:
+    calls.init(app)
+    app[_VOCAB] = {}
+    for path, fn in (("/", embed), ("/embed", embed), ("/embed_all", embed_all), ("/tokenize", tokenize)):
+        app.router.add_post(path, _handle(fn))
+    for path, fn in (("/info", info), ("/health", health_route), ("/metrics", metrics)):
+        app.router.add_get(path, _handle(fn))

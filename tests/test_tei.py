@@ -1,0 +1,191 @@
+"""The gateway's text-embeddings-inference routes, driven by huggingface_hub's InferenceClient and a LangChain
+class, every vector against the KServe path and sentence-transformers; TEI's request fields, error shape and
+status codes, and bad input of every kind while concurrent good requests stay exact."""
+import json
+import threading
+
+import numpy as np
+import pytest
+import requests
+
+from helpers import GOOD, assert_close, expected_ids, reference, st_embed_ids, st_model
+from test_openai import NAME, kserve, renorm
+
+pytestmark = pytest.mark.usefixtures("still_serving")
+
+
+@pytest.fixture(scope="module")
+def gateway(api_gateway):
+    return api_gateway
+
+
+def post(gateway, path, body, timeout=120):
+    return requests.post(f"{gateway.url}{path}", data=body if isinstance(body, bytes) else json.dumps(body),
+                         timeout=timeout)
+
+
+def embed(gateway, **body) -> np.ndarray:
+    r = post(gateway, "/embed", body)
+    assert r.status_code == 200, r.text
+    return np.array(r.json(), dtype=np.float32)
+
+
+def test_huggingface_hub_feature_extraction(gateway, server, checkpoints):
+    from huggingface_hub import InferenceClient
+    c = InferenceClient(base_url=gateway.url)  # posts to the base URL: TEI serves POST / as /embed
+    ref = reference(checkpoints["eos"], GOOD[:4], prompt_name="query")
+    got = c.feature_extraction(GOOD[:4], prompt_name="query")
+    assert_close(got, ref)
+    assert_close(got, kserve(server, GOOD[:4], prompt_name="query"))
+    one = c.feature_extraction(GOOD[4], dimensions=16, truncate=True, normalize=True, truncation_direction="right")
+    assert one.shape == (1, 16)
+    assert_close(one, renorm(reference(checkpoints["eos"], GOOD[4:5]), 16))
+
+
+def test_embed_fields(gateway, checkpoints):
+    m, ref = st_model(checkpoints["eos"]), reference(checkpoints["eos"], GOOD[:3])
+    assert_close(embed(gateway, inputs=GOOD[0]), ref[:1])  # one string: still a list of one vector
+    ids = expected_ids(m, GOOD[:3])
+    # token ids, alone and mixed with strings, with and without BOS/EOS: as their text
+    assert_close(embed(gateway, inputs=ids[1]), ref[1:2])
+    assert_close(embed(gateway, inputs=[GOOD[0], ids[1][1:-1], ids[2]]), ref)
+    # left truncation is honoured where nothing is cut
+    assert_close(embed(gateway, inputs=GOOD[:3], truncation_direction="Left"), ref)
+    assert_close(embed(gateway, inputs=GOOD[:3], truncation_direction="left", truncate=False), ref)
+    word = m.tokenizer("kalo", add_special_tokens=False)["input_ids"][0]
+    cut = [m.tokenizer.bos_token_id] + [word] * 2046 + [m.tokenizer.eos_token_id]
+    assert_close(embed(gateway, inputs=[[word] * 3000]), st_embed_ids(m, [cut]))
+
+
+def test_tokenize(gateway, checkpoints):
+    m = st_model(checkpoints["eos"])
+    texts = [GOOD[3], "Grüße <eos> aus Köln"]
+    r = post(gateway, "/tokenize", {"inputs": texts, "prompt_name": "query"})
+    assert r.status_code == 200, r.text
+    want = expected_ids(m, texts, prompt_name="query")
+    assert [[t["id"] for t in toks] for toks in r.json()] == want
+    for toks, ids in zip(r.json(), want):
+        assert [t["text"] for t in toks] == m.tokenizer.convert_ids_to_tokens(ids)
+        assert [t["special"] for t in toks] == [i in m.tokenizer.all_special_ids for i in ids]
+        assert all(t["start"] is None and t["stop"] is None for t in toks)
+    plain = post(gateway, "/tokenize", {"inputs": GOOD[3], "add_special_tokens": False}).json()
+    assert [t["id"] for t in plain[0]] == expected_ids(m, [GOOD[3]])[0][1:-1]
+
+
+def test_info_health_metrics_embed_all(gateway):
+    info = requests.get(f"{gateway.url}/info", timeout=10).json()
+    assert info["model_id"] == NAME and info["max_input_length"] == 2048 and info["auto_truncate"] is True
+    assert info["model_type"] == {"embedding": {"pooling": "mean"}} and info["max_client_batch_size"] == 2048
+    h = requests.get(f"{gateway.url}/health", timeout=10)
+    assert h.status_code == 200 and h.content == b""
+    met = requests.get(f"{gateway.url}/metrics", timeout=10)
+    assert met.status_code == 200 and "nv_inference_request_success" in met.text
+    r = post(gateway, "/embed_all", {"inputs": "x"})
+    assert r.status_code == 501 and "hidden states" in r.json()["error"]
+
+
+def test_langchain(gateway, checkpoints):
+    """langchain-huggingface's HuggingFaceEndpointEmbeddings refuses a URL (hub ids only, since 1.0), so the
+    LangChain class for a self-hosted TEI is langchain-community's HuggingFaceInferenceAPIEmbeddings."""
+    lc = pytest.importorskip("langchain_community.embeddings")
+    e = lc.HuggingFaceInferenceAPIEmbeddings(api_key="unused", api_url=f"{gateway.url}/embed")
+    assert_close(np.array(e.embed_documents(GOOD[:5]), dtype=np.float32), reference(checkpoints["eos"], GOOD[:5]))
+
+
+BAD = [  # (route, body, status, error_type, what the message names)
+    ("/embed", b"{not json", 400, "Validation", "JSON"),
+    ("/embed", b"[1]", 400, "Validation", "object"),
+    ("/embed", {}, 422, "Validation", "inputs"),
+    ("/embed", {"inputs": 5}, 422, "Validation", "inputs"),
+    ("/embed", {"inputs": []}, 400, "Empty", "empty"),
+    ("/embed", {"inputs": [[]]}, 400, "Empty", "empty"),
+    ("/embed", {"inputs": ["a", 5]}, 422, "Validation", "inputs[1]"),
+    ("/embed", {"inputs": [[1, 2.5]]}, 422, "Validation", "inputs[0]"),
+    ("/embed", {"inputs": [[100000]]}, 422, "Validation", "[0, "),
+    ("/embed", {"inputs": ["x"] * 2049}, 422, "Validation", "2048"),
+    ("/embed", {"inputs": "x", "normalize": False}, 422, "Validation", "normalised"),
+    ("/embed", {"inputs": "x", "normalize": "yes"}, 422, "Validation", "normalize"),
+    ("/embed", {"inputs": "x", "truncate": 1}, 422, "Validation", "truncate"),
+    ("/embed", {"inputs": "x", "truncation_direction": "up"}, 422, "Validation", "truncation_direction"),
+    ("/embed", {"inputs": "kalo " * 3000, "truncation_direction": "Left"}, 422, "Validation", "left"),
+    ("/embed", {"inputs": "kalo " * 3000, "truncate": False}, 422, "Validation", "2048"),
+    ("/embed", {"inputs": [[5] * 3000], "truncate": False}, 422, "Validation", "2048"),
+    ("/embed", {"inputs": "x", "dimensions": 20}, 422, "Validation", "choose from"),
+    ("/embed", {"inputs": "x", "dimensions": "32"}, 422, "Validation", "dimensions"),
+    ("/embed", {"inputs": "x", "prompt_name": "nope"}, 422, "Validation", "Retrieval-query"),
+    ("/embed", {"inputs": [[5, 6]], "prompt_name": "query"}, 422, "Validation", "prompt"),
+    ("/tokenize", {"inputs": [[5, 6]]}, 422, "Validation", "inputs[0]"),
+    ("/tokenize", {"inputs": []}, 400, "Empty", "empty"),
+    ("/tokenize", {"inputs": "x", "add_special_tokens": "no"}, 422, "Validation", "add_special_tokens"),
+    ("/tokenize", {"inputs": "x", "prompt_name": "nope"}, 422, "Validation", "Retrieval-query"),
+]
+
+
+def test_bad_input_tei_shape_while_good_requests_stay_exact(gateway, checkpoints):
+    good, got, errors = GOOD[:6], {}, []
+
+    def run_good(k):
+        try:
+            got[k] = embed(gateway, inputs=good)
+        except Exception as e:  # reported below: a good request must never fail
+            errors.append(e)
+    threads = [threading.Thread(target=run_good, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    oversize = [(p, b"x" * (gateway.max_body + 1), 413, "Validation", str(gateway.max_body))
+                for p in ("/embed", "/tokenize")]
+    for path, body, status, kind, fragment in BAD + oversize:
+        r = post(gateway, path, body)
+        assert r.status_code == status, (path, str(body)[:200], r.text)
+        assert r.json().keys() == {"error", "error_type"} and r.json()["error_type"] == kind, r.text
+        assert fragment in r.json()["error"], r.text
+    for t in threads:
+        t.join(120)
+    assert not errors and len(got) == 4
+    ref = reference(checkpoints["eos"], good)
+    for v in got.values():
+        assert_close(v, ref)
+    assert gateway.proc.poll() is None and requests.get(f"{gateway.url}/health", timeout=10).status_code == 200
+
+
+def test_health_from_the_watchdog_verdict_and_triton_down(tmp_path):
+    """A gateway whose Triton is not there (a restart in progress): /health answers the watchdog's verdict file,
+    and every route that needs Triton answers its protocol's 503 at once."""
+    import subprocess
+    import sys
+    from egemma.ops.tritonserver import free_port
+    from egemma.serving import health
+    from helpers import ROOT, wait_for
+    port, verdict = free_port(), tmp_path / "health.json"
+    dead = f"127.0.0.1:{free_port()}"
+    with open(tmp_path / "gateway.log", "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "egemma.serving.gateway", "--port", str(port),
+                                 "--triton-http", dead, "--triton-grpc", dead, "--health-file", str(verdict)],
+                                stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        def listening():
+            try:
+                return requests.get(f"{url}/v1/models", timeout=2).status_code == 200
+            except OSError:
+                return False
+        wait_for(listening, 60, "the gateway to listen")
+        r = requests.get(f"{url}/health", timeout=10)
+        assert r.status_code == 503 and r.json() == {"error": "unhealthy: no watchdog verdict yet",
+                                                     "error_type": "Unhealthy"}
+        health.write(verdict, True)
+        assert requests.get(f"{url}/health", timeout=10).status_code == 200
+        health.write(verdict, False, "restarting: a stub died")
+        assert "a stub died" in requests.get(f"{url}/health", timeout=10).json()["error"]
+        r = requests.post(f"{url}/embed", json={"inputs": "x"}, timeout=30)
+        assert r.status_code == 503 and r.json()["error_type"] == "Unhealthy", r.text
+        r = requests.post(f"{url}/v1/embeddings", json={"input": "x"}, timeout=30)
+        assert r.status_code == 503 and r.json()["error"]["type"] == "server_error", r.text
+        r = requests.post(f"{url}/v1/embeddings", json={"input": [[5, 6]]}, timeout=30)  # needs the model's facts
+        assert r.status_code == 503 and r.json()["error"]["type"] == "server_error", r.text
+        for path in ("/info", "/metrics"):
+            r = requests.get(f"{url}{path}", timeout=30)
+            assert r.status_code in (404, 503) and set(r.json()) == {"error", "error_type"}, (path, r.text)
+    finally:
+        proc.terminate()
+        proc.wait(30)
