@@ -4,9 +4,12 @@
 #   PYTHON=python3.12 scripts/setup.sh     to pick the interpreter (3.10 - 3.13; the stub must match it)
 #   scripts/setup.sh --system              (or EGEMMA_SETUP=system) the same install into $PYTHON itself, no
 #                                          venv: the container image's step (deploy/Dockerfile)
-#   EGEMMA_TORCH=torch==2.11.0 EGEMMA_EXTRAS=server,gpu scripts/setup.sh --system
+#   EGEMMA_TORCH=torch==2.11.0 EGEMMA_EXTRAS=client,gpu scripts/setup.sh --system
 #                                          what to install (defaults: torch==2.13.0, the tested CPU build, and
-#                                          the extras server,test)
+#                                          the extras server,test; --system: client, for an image that has its
+#                                          own tritonserver)
+# As root with apt-get (CI), the venv mode also installs kubectl (Debian's kubernetes-client) when none is on
+# PATH: the manifest tests render deploy/ with `kubectl kustomize`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODE="${EGEMMA_SETUP:-venv}"
@@ -19,14 +22,15 @@ case "$MODE" in
       "$PY" -m venv .venv
     fi
     PY=.venv/bin/python
+    EXTRAS="${EGEMMA_EXTRAS:-server,test}"
     "$PY" -m pip install -q --disable-pip-version-check --upgrade pip ;;
-  system) ;;
+  system) EXTRAS="${EGEMMA_EXTRAS:-client}" ;;
   *) echo "[setup] unknown mode '$MODE' (EGEMMA_SETUP=venv or system)" >&2; exit 2 ;;
 esac
 echo "[setup] installing packages into $("$PY" -c 'import sys; print(sys.prefix)') (first run: a few minutes)"
 # The project itself needs any torch >= 2.4; the image pins the CUDA build its kernel wheels are built for.
 "$PY" -m pip install -q --disable-pip-version-check "${EGEMMA_TORCH:-torch==2.13.0}" \
-  -e ".[${EGEMMA_EXTRAS:-server,test}]"
+  -e ".[${EXTRAS}]"
 "$PY" - <<'PY'
 from egemma.ops.repository import DEMO, ROOT
 from egemma.ops.tritonserver import find_tritonserver
@@ -38,4 +42,15 @@ if not (DEMO / "model.safetensors").exists():
                    stdout=subprocess.DEVNULL)
 print(f"[setup] demo checkpoint (random weights): {DEMO}")
 PY
+if [ "$MODE" = venv ] && ! command -v kubectl >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "[setup] installing kubectl (Debian's kubernetes-client) for the manifest tests"
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+        kubernetes-client >/dev/null; } \
+      || echo "[setup] WARNING: kubernetes-client did not install: tests/test_deploy_manifests.py will fail" >&2
+  else
+    echo "[setup] NOTE: no kubectl on PATH: tests/test_deploy_manifests.py needs one (Debian:" \
+         "apt-get install kubernetes-client); they skip without it, and fail under CI=true" >&2
+  fi
+fi
 echo "[setup] done"

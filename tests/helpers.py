@@ -1,9 +1,12 @@
 """What the tests share: generated texts, the sentence-transformers references every answer is compared with, one
 tolerance, request builders for both clients, a concurrent request driver, clean-error and statistics checks,
-and waiting on a condition."""
+waiting on a condition, and a launcher process that takes its tritonservers with it."""
+import os
 import queue
 import random
 import re
+import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -11,6 +14,8 @@ import numpy as np
 import torch
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
+
+from egemma.ops.procfs import children, gone
 
 ROOT = Path(__file__).resolve().parent.parent
 TOL = 1e-5  # fp32 on CPU: every served embedding equals sentence-transformers' to this, element by element
@@ -170,3 +175,38 @@ def max_text_bytes(server) -> int:
     """The tokenizer model's max_text_bytes as the server's rendered repository sets it."""
     cfg = (server.repo / "embeddinggemma_tokenizer" / "config.pbtxt").read_text()
     return int(re.search(r'key: "max_text_bytes" value: \{ string_value: "(\d+)"', cfg).group(1))
+
+
+class Launcher:
+    """A launcher process (argv: `python -m egemma.ops.launcher ...`) with its stdout and stderr in files under d;
+    remembers every tritonserver it was seen to run, so that close() ends those too (they run in their own
+    sessions: the launcher's death does not end them)."""
+
+    def __init__(self, argv, d: Path, cwd: Path = ROOT):
+        d.mkdir(parents=True)
+        self.stdout, self.stderr = d / "stdout", d / "stderr"
+        self._files = [open(self.stdout, "w"), open(self.stderr, "w")]
+        self.proc = subprocess.Popen([str(a) for a in argv], cwd=cwd, stdout=self._files[0], stderr=self._files[1])
+        self.servers: list[int] = []
+
+    def server_pid(self, timeout=10.0) -> int:
+        """The tritonserver the launcher runs now."""
+        found = []
+
+        def find():
+            found[:] = [p for p, a in children(self.proc.pid).items() if os.path.basename(a[0]) == "tritonserver"]
+            return found
+        wait_for(find, timeout, "a tritonserver under the launcher")
+        if found[0] not in self.servers:
+            self.servers.append(found[0])
+        return found[0]
+
+    def close(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        for p in self.servers:
+            if not gone(p):
+                os.killpg(p, signal.SIGKILL)
+        for f in self._files:
+            f.close()

@@ -20,13 +20,17 @@ SPIN = ROOT / "tests" / "spin_repository"  # "spin" loops forever, "hang" blocks
 
 def test_heartbeat_stamps_are_read_back(tmp_path):
     beat = Heartbeat("m_0_1", str(tmp_path))
-    assert read_heartbeats(tmp_path) == {"m_0_1": (0.0, 0.0, os.getpid())}
-    beat.begin()
-    begin, end, _ = read_heartbeats(tmp_path)["m_0_1"]
-    assert begin > end == 0.0 and begin <= time.monotonic()  # inside an execute
-    beat.end()
-    begin2, end2, _ = read_heartbeats(tmp_path)["m_0_1"]
+    assert read_heartbeats(tmp_path) == {"m_0_1": (0.0, 0.0, os.getpid(), 0)}
+    with pytest.raises(KeyError):
+        with beat as b:  # how the adapters stamp an execute
+            b.tokens(4096)
+            begin, end, _, tokens = read_heartbeats(tmp_path)["m_0_1"]
+            assert begin > end == 0.0 and begin <= time.monotonic() and tokens == 4096  # inside an execute
+            raise KeyError("an execute that raises still ends its stamp, and its error propagates")
+    begin2, end2, _, _ = read_heartbeats(tmp_path)["m_0_1"]
     assert begin2 == begin and end2 >= begin
+    beat.begin()  # a new execute starts with its size unsaid, not the last one's
+    assert read_heartbeats(tmp_path)["m_0_1"][3] == 0
     Heartbeat("unwatched", "").begin()  # no directory: stamps go to an anonymous map
     assert set(read_heartbeats(tmp_path)) == {"m_0_1"}
 
@@ -58,7 +62,7 @@ def _stuck_one_of_two(wd, text):
         "embeddinggemma", [text_input([text])], client_timeout=60, callback=lambda result, error: done.put(error))
     sent = time.monotonic()
     beats = wd.server.heartbeat_dir
-    wait_for(lambda: any(b > e for b, e, _ in read_heartbeats(beats).values()), 10, f"{text!r} inside an execute")
+    wait_for(lambda: any(b > e for b, e, *_ in read_heartbeats(beats).values()), 10, f"{text!r} inside an execute")
     assert len(read_heartbeats(beats)) == 2
     if not wd.events:
         assert canary(wd.server.http_url, timeout=5) is None, "the other instance must keep answering"
@@ -79,12 +83,15 @@ def test_one_hung_instance_of_two_is_restarted_within_10s(two_instances):
     assert noticed < 10 and "model instance embeddinggemma_0_" in why and "hung" in why, (noticed, why)
 
 
-def test_one_spinning_instance_of_two_is_restarted_after_max_busy(two_instances):
-    """Busy on the CPU (a long batch looks the same): excused until one execute outlasts max_busy."""
-    with two_instances(interval=1, timeout=2, max_busy=6) as wd:
-        noticed, why = _stuck_one_of_two(wd, "spin")
-    assert "model instance embeddinggemma_0_" in why and "spinning" in why, why
-    assert 6 - 1 < noticed < 6 + 3 * 1 + 2, noticed
+def test_one_spinning_instance_of_two_is_restarted_after_max_busy_scaled_by_its_batch(two_instances):
+    """Busy on the CPU (a long batch looks the same): excused until one execute outlasts max_busy, times its
+    tokens over TOKENS_PER_MAX_BUSY where more: here an execute that said it embeds twice as many, so 2 x 3 s.
+    (tests/test_watchdog.py spins without a size: max_busy itself.)"""
+    from egemma.ops.watchdog import TOKENS_PER_MAX_BUSY
+    with two_instances(interval=1, timeout=2, max_busy=3) as wd:
+        noticed, why = _stuck_one_of_two(wd, f"spin:{2 * TOKENS_PER_MAX_BUSY}")
+    assert "model instance embeddinggemma_0_" in why and "spinning" in why and "over 6s" in why, why
+    assert 6 - 1 < noticed < 6 + 3 * 1 + 2, noticed  # not at 3 s: the batch's size bought it time
 
 
 def test_the_verdict_reports_failing_restarts_and_ages_when_the_watchdog_stops(two_instances, start_server, tmp_path):

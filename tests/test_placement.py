@@ -112,6 +112,8 @@ def rendered(checkpoints, tmp_path):
 
 def test_initialize_builds_the_engine_where_triton_placed_it(encoder_model, rendered, tmp_path, monkeypatch,
                                                               caplog):
+    """KIND_CPU: the engine runs on the CPU, on a GPU host too; the log line names the device; the instance's
+    heartbeat file is there, outside any execute."""
     from egemma.serving.instance import HEARTBEAT_DIR, read_heartbeats
     monkeypatch.setenv(HEARTBEAT_DIR, str(tmp_path))
     m = encoder_model()
@@ -120,8 +122,19 @@ def test_initialize_builds_the_engine_where_triton_placed_it(encoder_model, rend
     assert m.engine.device == torch.device("cpu")
     assert m.engine.embed([torch.arange(5).numpy()]).shape == (1, 48)
     assert "egemma: encoder instance embeddinggemma_encoder_0_1 on cpu" in caplog.text
-    begin, end, pid = read_heartbeats(tmp_path)["embeddinggemma_encoder_0_1"]
-    assert (begin, end) == (0.0, 0.0) and pid > 0
+    begin, end, pid, tokens = read_heartbeats(tmp_path)["embeddinggemma_encoder_0_1"]
+    assert (begin, end, tokens) == (0.0, 0.0, 0) and pid > 0
+
+
+def test_kind_model_auto_runs_on_a_concrete_device(encoder_model, rendered, caplog):
+    """KIND_MODEL (what the launcher renders without --gpus): "auto" is the current CUDA device, named cuda:N in
+    the log line, or the CPU on a host without a GPU."""
+    want = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
+    m = encoder_model()
+    with caplog.at_level(logging.INFO, logger="egemma"):
+        m.initialize(_args(rendered, "MODEL", 0, "embeddinggemma_encoder_0_2"))
+    assert m.engine.device == torch.device(want)
+    assert f"egemma: encoder instance embeddinggemma_encoder_0_2 on {want}" in caplog.text
 
 
 def test_kind_gpu_without_that_gpu_fails_loudly(encoder_model, rendered):
@@ -132,13 +145,15 @@ def test_kind_gpu_without_that_gpu_fails_loudly(encoder_model, rendered):
         encoder_model().initialize(_args(rendered, "GPU", missing))
 
 
-def test_a_device_parameter_contradicting_the_placement_is_an_error(encoder_model, checkpoints, tmp_path):
+@pytest.mark.parametrize("device, kind, placed", [("cpu", "GPU", "on GPU 1"), ("cuda:0", "CPU", "on the CPU")])
+def test_a_device_parameter_contradicting_the_placement_is_an_error(encoder_model, checkpoints, tmp_path, device,
+                                                                    kind, placed):
     repo = render_repository(tmp_path / "r", checkpoints["eos"])
     cfg = repo / ENCODER / "config.pbtxt"
     assert 'key: "device"' not in cfg.read_text()
-    cfg.write_text(cfg.read_text() + 'parameters { key: "device" value: { string_value: "cpu" } }\n')
-    with pytest.raises(ValueError, match="contradicts Triton's placement on GPU 1"):
-        encoder_model().initialize(_args(repo, "GPU", 1))
+    cfg.write_text(cfg.read_text() + f'parameters {{ key: "device" value: {{ string_value: "{device}" }} }}\n')
+    with pytest.raises(ValueError, match=f"contradicts Triton's placement {placed}"):
+        encoder_model().initialize(_args(repo, kind, 1))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
@@ -171,7 +186,7 @@ def test_served_instances_log_their_device_and_stamp_heartbeats(server):
     assert all(line.rstrip().endswith((" on cpu", " on cuda:0")) for line in lines), lines
     beats = read_heartbeats(server.heartbeat_dir)
     assert set(beats) >= {"embeddinggemma_encoder_0_0", "embeddinggemma_tokenizer_0_0"}, beats
-    assert {pid for _, _, pid in beats.values()} <= set(stub_pids(server.proc.pid))
-    assert all(end >= begin for begin, end, _ in beats.values()), beats  # none left inside an execute
+    assert {pid for _, _, pid, _ in beats.values()} <= set(stub_pids(server.proc.pid))
+    assert all(end >= begin for begin, end, *_ in beats.values()), beats  # none left inside an execute
     for model in (ENCODER, "embeddinggemma_tokenizer"):  # the request went through one instance of each
-        assert any(begin > 0 for name, (begin, _, _) in beats.items() if name.startswith(model + "_")), beats
+        assert any(begin > 0 for name, (begin, *_) in beats.items() if name.startswith(model + "_")), beats

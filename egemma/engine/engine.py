@@ -22,7 +22,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 @dataclass(frozen=True)
 class EngineConfig:
     checkpoint: str
-    device: str = "auto"  # "auto": cuda when present, else cpu
+    device: str = "auto"  # "auto": the current CUDA device (cuda:N) when present, else cpu
     dtype: str = "auto"  # "auto": bfloat16 on cuda, float32 on cpu. fp16 overflows in Gemma3: refused.
     norm_backend: str = "auto"  # auto (fastest per op, timed at load) | sgl-kernel | triton | native
     attention_backend: str = "auto"  # auto (timed per bucket) | fa3 | fa2 | native
@@ -48,8 +48,10 @@ class Engine:
         t0 = time.perf_counter()
         self.ec = ec
         self.cfg = cfg = ModelConfig.load(ec.checkpoint)
-        self.device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if ec.device == "auto"
-                                   else ec.device)
+        device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if ec.device == "auto" else ec.device)
+        if device.type == "cuda" and device.index is None:  # concrete, cuda:N: what the logs and the graphs name
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
         dtype = ec.dtype if ec.dtype != "auto" else ("bfloat16" if self.device.type == "cuda" else "float32")
         if dtype not in DTYPES:
             raise ValueError(f"dtype {dtype!r} is not supported (choose from {list(DTYPES)}; fp16 overflows)")

@@ -9,11 +9,9 @@ import shutil
 import subprocess
 from pathlib import Path
 
-# Encoder instances per GPU: 3 (model_repository's count; 4 serves more under load, perf/RESULTS.md runs 16-22).
-# Tokenizer instances: one per 4 usable cores, at most 4 per GPU served, at least 1. Measured on an H200 host
-# with 16 cores (runs 16-18): 4 instances served as many requests/s as 6 for one GPU's 3-4 encoders (batches
-# grow instead), 2 served 14-20% fewer, 1 30% fewer; the 16 cores were ~60% busy at 13k requests/s. Past 4 per
-# GPU an instance only adds a process; below 4 cores each, instances compete for the cores that tokenise.
+# Tokenizer instances: one per 4 usable cores, at most 4 per GPU served, at least 1: past that an instance only
+# adds a process, below it instances compete for the cores that tokenise (measured on one 16-core H200 host only:
+# perf/RESULTS.md; deploy/README.md, "Every GPU of a host").
 CORES_PER_TOKENIZER = 4
 TOKENIZERS_PER_GPU = 4
 

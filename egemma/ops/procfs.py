@@ -8,8 +8,8 @@ STUB = "triton_python_backend_stub"
 
 
 def stat(pid: int) -> list[str] | None:
-    """Fields of /proc/PID/stat after "(comm)" (which may hold spaces): state is [0], ppid [1], utime [11],
-    stime [12] (fields 3, 4, 14, 15 of proc(5)); None if pid is gone."""
+    """Fields of /proc/PID/stat after "(comm)" (which may hold spaces): state is [0], ppid [1], process group [2],
+    utime [11], stime [12] (fields 3, 4, 5, 14, 15 of proc(5)); None if pid is gone."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()
@@ -39,6 +39,12 @@ def stub_pids(server_pid: int) -> dict[int, str]:
     return {p: a[1] if len(a) > 1 else "" for p, a in children(server_pid).items() if os.path.basename(a[0]) == STUB}
 
 
+def group(pgid: int) -> list[int]:
+    """Live (not zombie) processes of process group pgid."""
+    return [int(d) for d in os.listdir("/proc") if d.isdigit() and (s := stat(int(d))) and int(s[2]) == pgid
+            and s[0] != "Z"]
+
+
 def stopped(pid: int) -> bool:
     """Whether pid is stopped by a signal (state T; not t, a tracer's brief pause such as py-spy's)."""
     s = stat(pid)
@@ -60,7 +66,12 @@ def rss_kb(pid: int) -> int:
         return -1
 
 
-def cpu_seconds(pid: int) -> float:
-    """CPU time used so far by pid and its children (the stubs)."""
-    ticks = sum(int(s[11]) + int(s[12]) for p in (pid, *children(pid)) if (s := stat(p)))
+def cpu_seconds(pid: int, with_children: bool = True) -> float | None:
+    """CPU time used so far by pid (all its threads) and, with_children, its live children (the stubs); None if
+    pid is gone."""
+    own = stat(pid)
+    if own is None:
+        return None
+    kids = children(pid) if with_children else ()
+    ticks = int(own[11]) + int(own[12]) + sum(int(s[11]) + int(s[12]) for p in kids if (s := stat(p)))
     return ticks / os.sysconf("SC_CLK_TCK")

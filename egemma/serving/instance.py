@@ -1,11 +1,12 @@
 """What a Triton model instance knows of itself: the device Triton placed it on, and its execute heartbeat.
 
 Heartbeat: each instance stamps the start and the end of every execute (time.monotonic(), the same clock in
-every process of the host) into a 24-byte file of its own, $EGEMMA_HEARTBEAT_DIR/<instance name>.hb, that the
-watchdog (egemma.ops.watchdog) reads: an instance in one execute for long while its process uses no CPU is hung,
-even when the other instances answer the canary. A stamp is one 8-byte store into a shared mmap, no system
-call (the execute path is hot: ~150 us per request). Without the variable (tritonserver started by hand) the
-stamps go to an anonymous map: the same code, watched by nobody."""
+every process of the host), and the tokens it embeds, into a 32-byte file of its own,
+$EGEMMA_HEARTBEAT_DIR/<instance name>.hb, that the watchdog (egemma.ops.watchdog) reads: an instance in one
+execute for long while its process uses no CPU is hung, and one busy in one execute for far longer than its batch
+takes is spinning, even when the other instances answer the canary. A stamp is one 8-byte store into a shared
+mmap, no system call (the execute path is hot: ~150 us per request). Without the variable (tritonserver started
+by hand) the stamps go to an anonymous map: the same code, watched by nobody."""
 from __future__ import annotations
 
 import mmap
@@ -15,22 +16,28 @@ import time
 from pathlib import Path
 
 HEARTBEAT_DIR = "EGEMMA_HEARTBEAT_DIR"
-LAYOUT = struct.Struct("<ddq")  # execute started, execute ended (0.0: never), pid
-_STAMP = struct.Struct("<d")
+LAYOUT = struct.Struct("<ddqq")  # execute started, execute ended (0.0: never), pid, tokens of the execute (0: unsaid)
+_STAMP, _COUNT = struct.Struct("<d"), struct.Struct("<q")
+_TOKENS = 24  # offset of the tokens field
 
 
 def instance_device(args: dict, requested: str = "auto") -> str:
     """The device an encoder instance runs on. KIND_GPU: the GPU Triton assigned (model_instance_device_id), made
-    the process's current CUDA device so that every kernel, stream and CUDA graph lands there; a `device`
-    parameter naming another device is an error. Otherwise (KIND_MODEL / KIND_CPU): `requested` ("auto": cuda:0
-    when there is a GPU, else the CPU). KIND_GPU without that CUDA device is an error, never a silent CPU run:
-    Triton itself refuses KIND_GPU without GPUs, so this means the stub sees other GPUs than the server (e.g. a
-    different CUDA_VISIBLE_DEVICES)."""
-    if args.get("model_instance_kind") != "GPU":
+    the process's current CUDA device so that every kernel, stream and CUDA graph lands there. KIND_CPU: the CPU.
+    A `device` parameter naming another device than the kind's is an error. Otherwise (KIND_MODEL): `requested`
+    (the engine resolves "auto" to the current CUDA device, cuda:N, or the CPU without a GPU). KIND_GPU without
+    that CUDA device is an error, never a silent CPU run: Triton itself refuses KIND_GPU without GPUs, so this
+    means the stub sees other GPUs than the server (e.g. a different CUDA_VISIBLE_DEVICES)."""
+    kind, name = args.get("model_instance_kind"), args.get("model_instance_name", "?")
+    if kind == "CPU":
+        if requested not in ("auto", "cpu"):
+            raise ValueError(f"instance {name}: the device parameter {requested!r} contradicts Triton's placement "
+                             "on the CPU (KIND_CPU); leave it 'auto'")
+        return "cpu"
+    if kind != "GPU":
         return requested
     import torch
     idx = int(args["model_instance_device_id"])
-    name = args.get("model_instance_name", "?")
     if requested not in ("auto", f"cuda:{idx}"):
         raise ValueError(f"instance {name}: the device parameter {requested!r} contradicts Triton's placement on "
                          f"GPU {idx} (KIND_GPU); leave it 'auto'")
@@ -44,7 +51,8 @@ def instance_device(args: dict, requested: str = "auto") -> str:
 
 
 class Heartbeat:
-    """`begin()` at the top of execute, `end()` in its finally."""
+    """`with self.beat:` around execute (begin, end); `self.beat.tokens(n)` once the execute knows how many tokens
+    it embeds, so that the watchdog allows a large batch proportionally longer."""
 
     def __init__(self, name: str, directory: str | None = None):
         directory = os.environ.get(HEARTBEAT_DIR) if directory is None else directory
@@ -57,17 +65,28 @@ class Heartbeat:
                 os.close(fd)
         else:
             self._mm = mmap.mmap(-1, LAYOUT.size)
-        LAYOUT.pack_into(self._mm, 0, 0.0, 0.0, os.getpid())
+        LAYOUT.pack_into(self._mm, 0, 0.0, 0.0, os.getpid(), 0)
 
-    def begin(self):
+    def begin(self, tokens: int = 0):
+        _COUNT.pack_into(self._mm, _TOKENS, tokens)  # first: the new start is never read with the last size
         _STAMP.pack_into(self._mm, 0, time.monotonic())
+
+    def tokens(self, n: int):
+        _COUNT.pack_into(self._mm, _TOKENS, n)
 
     def end(self):
         _STAMP.pack_into(self._mm, 8, time.monotonic())
 
+    def __enter__(self) -> "Heartbeat":
+        self.begin()
+        return self
 
-def read_heartbeats(directory: str | Path) -> dict[str, tuple[float, float, int]]:
-    """{instance name: (execute started, execute ended, pid)} of every heartbeat file in directory."""
+    def __exit__(self, *exc):
+        self.end()  # returns None: an exception in execute propagates
+
+
+def read_heartbeats(directory: str | Path) -> dict[str, tuple[float, float, int, int]]:
+    """{instance name: (execute started, execute ended, pid, tokens)} of every heartbeat file in directory."""
     out = {}
     try:
         paths = list(Path(directory).glob("*.hb"))

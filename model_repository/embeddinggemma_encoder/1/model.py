@@ -60,11 +60,8 @@ class TritonPythonModel:
                 if rows and (why := self.engine.check(np.concatenate(rows), max(len(r) for r in rows)))}
 
     def execute(self, requests):
-        self.beat.begin()  # the watchdog tells a hung instance by a begin without an end (egemma.serving.instance)
-        try:
+        with self.beat:  # start/end stamps: the watchdog sees a hung or spinning instance (egemma.serving.instance)
             return self._execute(requests)
-        finally:
-            self.beat.end()
 
     def _execute(self, requests):
         responses, parsed = self.a.parse_each(requests, self._parse)
@@ -79,6 +76,7 @@ class TritonPythonModel:
             if i not in bad:
                 spans.append((i, len(seqs), len(seqs) + len(rows), opts))
                 seqs.extend(rows)
+        self.beat.tokens(sum(len(s) for s in seqs))  # a large batch is allowed proportionally longer
         try:
             emb = self.engine.embed(seqs)
         except Exception as e:  # an engine fault fails this batch's requests cleanly, not the stub

@@ -86,11 +86,8 @@ class TritonPythonModel:
         return self.a.outputs({"INPUT_IDS": ids, "SEQ_LEN": lens[:, None]})
 
     def execute(self, requests):
-        self.beat.begin()  # the watchdog tells a hung instance by a begin without an end (egemma.serving.instance)
-        try:
+        with self.beat:  # start/end stamps: the watchdog sees a hung or spinning instance (egemma.serving.instance)
             return self._execute(requests)
-        finally:
-            self.beat.end()
 
     def _execute(self, requests):
         t0 = time.perf_counter()

@@ -1,6 +1,6 @@
-"""TEXT -> a fixed unit EMBEDDING, except that "spin" loops on the CPU forever and "hang" sleeps forever. Stamps
-the execute heartbeat as the real models do (egemma.serving.instance), so the watchdog sees which instance is
-stuck."""
+"""TEXT -> a fixed unit EMBEDDING, except that "spin" loops on the CPU forever ("spin:N" after saying its execute
+embeds N tokens, as a large batch would) and "hang" sleeps forever. Stamps the execute heartbeat as the real
+models do (egemma.serving.instance), so the watchdog sees which instance is stuck."""
 import threading
 
 import numpy as np
@@ -14,17 +14,16 @@ class TritonPythonModel:
         self.beat = Heartbeat(args["model_instance_name"])
 
     def execute(self, requests):
-        self.beat.begin()
-        try:
+        with self.beat:
             return [self._one(req) for req in requests]
-        finally:
-            self.beat.end()
 
     def _one(self, req):
         texts = pb_utils.get_input_tensor_by_name(req, "TEXT").as_numpy().reshape(-1).tolist()
-        if b"spin" in texts:
-            while True:
-                pass
+        for t in texts:
+            if t.startswith(b"spin"):
+                self.beat.tokens(int(t.partition(b":")[2] or 0))
+                while True:
+                    pass
         if b"hang" in texts:
             threading.Event().wait()
         emb = np.full((len(texts), 4), 0.5, dtype=np.float32)
