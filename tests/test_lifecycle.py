@@ -3,7 +3,6 @@ egemma.ops.launcher`) serves on loopback only, behind the admin key, and recover
 import os
 import queue
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -14,8 +13,8 @@ import requests
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from egemma.ops.procfs import children, gone, stub_pids
-from helpers import GOOD, ROOT, assert_close, fire_concurrently, model_stats, reference, text_input, wait_for
+from egemma.ops.procfs import gone, stub_pids
+from helpers import GOOD, Launcher, assert_close, fire_concurrently, model_stats, reference, text_input, wait_for
 
 LONG = "kalo the " * 1500  # 16 of these (2048 tokens each) take seconds on the CPU encoder
 
@@ -58,50 +57,14 @@ def _listening(port):
     return out
 
 
-class Launcher:
-    """`python -m egemma.ops.launcher ARGS` with its stdout and stderr in files; remembers every tritonserver it
-    was seen to run, so that close() ends those too (they run in their own sessions: the launcher's death does
-    not end them)."""
-
-    def __init__(self, d: Path, args):
-        d.mkdir(parents=True)
-        self.stdout, self.stderr = d / "stdout", d / "stderr"
-        self._files = [open(self.stdout, "w"), open(self.stderr, "w")]
-        self.proc = subprocess.Popen([sys.executable, "-m", "egemma.ops.launcher", *args], cwd=ROOT,
-                                     stdout=self._files[0], stderr=self._files[1])
-        self.servers: list[int] = []
-
-    def server_pid(self, timeout=10.0) -> int:
-        """The tritonserver the launcher runs now."""
-        found = []
-
-        def find():
-            found[:] = [p for p, a in children(self.proc.pid).items() if os.path.basename(a[0]) == "tritonserver"]
-            return found
-        wait_for(find, timeout, "a tritonserver under the launcher")
-        pid = found[0]
-        if pid not in self.servers:
-            self.servers.append(pid)
-        return pid
-
-    def close(self):
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-        for p in self.servers:
-            if not gone(p):
-                os.killpg(p, signal.SIGKILL)
-        for f in self._files:
-            f.close()
-
-
 @pytest.fixture
 def launcher(tmp_path):
     """launcher(*args): a started Launcher, ended with its servers at the test's end."""
     started = []
 
     def start(*args):
-        started.append(Launcher(tmp_path / f"launcher{len(started)}", [str(a) for a in args]))
+        started.append(Launcher([sys.executable, "-m", "egemma.ops.launcher", *args],
+                                tmp_path / f"launcher{len(started)}"))
         return started[-1]
     yield start
     for la in started:

@@ -1,9 +1,12 @@
 """Start the real `tritonserver` on this repository's model_repository for a given checkpoint.
 
   python -m egemma.ops.launcher [--model DIR] [--host 127.0.0.1] [--http-port 8000] [--grpc-port 8001]
-                          [--metrics-port 8002] [--admin-key KEY] [--exit-timeout-secs 30] [--no-watchdog]
+                          [--metrics-port 8002] [--gpus all|0,1,...] [--admin-key KEY] [--exit-timeout-secs 30]
+                          [--no-watchdog]
                           [--watchdog-max-busy 120]
-                          [--openai-port 8080] [--param KEY=VALUE ...] [--instances MODEL=N ...]
+                          [--openai-port 8080] [--max-request-bytes 3145728] [--gateway-workers K]
+                          [--served-model-name google/embeddinggemma-300m] [--alias NAME ...]
+                          [--param KEY=VALUE ...] [--instances MODEL=N ...]
 
 The model repository is rendered into a run directory with the checkpoint path written into the configs
 (the source tree is never modified), the server is started with this Python environment first on PATH (the
@@ -14,7 +17,12 @@ none); the model-repository, shared-memory, trace and logging APIs answer only r
 `admin-key: KEY` (gRPC: metadata `triton-grpc-protocol-admin-key: KEY`; KEY is printed at start); SIGTERM
 drains in-flight requests for up to --exit-timeout-secs; a watchdog (egemma.ops.watchdog) restarts the server when
 a model stops answering, since Triton does not restart a crashed Python backend stub and keeps reporting
-ready."""
+ready.
+
+HTTP: the user-facing HTTP port (and --openai-port, a second port of the same process) is the gateway
+(egemma.serving.gateway), which checks every request and proxies KServe v2 to Triton's own HTTP on a loopback-only
+port: one request can crash Triton 2.51's HTTP. The gateway is restarted when it dies and stopped after Triton
+drained. gRPC and metrics are Triton's own (its gRPC takes any size up to 2 GiB, so large batches go there)."""
 
 import argparse
 import os
@@ -24,13 +32,17 @@ import sys
 import threading
 from pathlib import Path
 
+from egemma.ops.host import parse_gpus, visible_gpus
 from egemma.ops.repository import ROOT, resolve_checkpoint
-from egemma.ops.tritonserver import ADMIN_APIS, ADMIN_HEADER, TritonServer
+from egemma.ops.front import Front
+from egemma.ops.tritonserver import ADMIN_APIS, ADMIN_HEADER, TritonServer, free_port
+from egemma.serving.gateway import DEFAULT_MAX_BODY
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", help="checkpoint directory (default: $EMBEDDINGGEMMA_PATH, then the HF hub)")
+    ap.add_argument("--model", help="checkpoint directory or hub id such as google/embeddinggemma-300m (gated: "
+                                    "set HF_TOKEN) (default: $EMBEDDINGGEMMA_PATH, then the HF hub)")
     ap.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
     ap.add_argument("--http-port", type=int, default=8000)
     ap.add_argument("--grpc-port", type=int, default=8001)
@@ -39,54 +51,83 @@ def main(argv=None):
     ap.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
                     help="model parameter, e.g. attention_backend=fa2 (repeatable)")
     ap.add_argument("--instances", action="append", default=[], metavar="MODEL=N",
-                    help="instance count of a model, e.g. embeddinggemma_encoder=2 (repeatable; default: "
-                         "model_repository's configs on a GPU host, encoder 1 / tokenizer 2 without a GPU)")
+                    help="instance count of a model, e.g. embeddinggemma_encoder=2, per GPU for the encoder "
+                         "(repeatable; default: encoder 3 per GPU and tokenizer one per 4 cores, at most 4 per GPU, "
+                         "on a GPU host; encoder 1 / tokenizer 2 without a GPU)")
+    ap.add_argument("--gpus", default="all", help="GPUs to place encoder instances on: 'all' visible ones (default; "
+                                                  "none on a CPU host) or device ids such as 0,1")
     ap.add_argument("--admin-key", default=os.environ.get("EGEMMA_ADMIN_KEY"),
                     help=f"value of the '{ADMIN_HEADER}' header that the {ADMIN_APIS} APIs require "
                          "(default: $EGEMMA_ADMIN_KEY, else random, printed at start)")
     ap.add_argument("--exit-timeout-secs", type=int, default=30,
                     help="on SIGTERM, how long in-flight requests may take to finish (default 30)")
-    ap.add_argument("--openai-port", type=int, help="also serve an OpenAI-compatible POST /v1/embeddings here")
+    ap.add_argument("--openai-port", type=int, help="a second port of the gateway (OpenAI, TEI and KServe routes)")
+    ap.add_argument("--served-model-name", default="google/embeddinggemma-300m",
+                    help="the model name the OpenAI and TEI routes answer to and report")
+    ap.add_argument("--alias", action="append", default=[], metavar="NAME",
+                    help="another model name the OpenAI route accepts (repeatable)")
+    ap.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_BODY,
+                    help=f"largest HTTP request body (default {DEFAULT_MAX_BODY}: Triton 2.51's HTTP crashes at "
+                         "4 MiB); larger batches go over gRPC")
+    ap.add_argument("--gateway-workers", type=int, default=max(1, min(4, (os.cpu_count() or 1) // 4)),
+                    help="gateway processes (default: a quarter of the cores, 1 to 4)")
+    ap.add_argument("--triton-http-port", type=int, default=0,
+                    help="Triton's own HTTP port, on 127.0.0.1 behind the gateway (default: a free one)")
     ap.add_argument("--watchdog", action=argparse.BooleanOptionalAction, default=True,
                     help="restart the server when a canary inference fails or a model process dies (default on)")
     ap.add_argument("--watchdog-max-busy", type=float, default=120.0, metavar="SECONDS",
-                    help="restart when canaries time out while the server is busy and no request completes for "
-                         "this long: a model is spinning (default 120)")
+                    help="restart when one model instance is busy in one execute for this long (scaled up for "
+                         "batches over 131072 tokens), or canaries time out while the server is busy and no request "
+                         "completes for this long: a model is spinning (default 120)")
     a = ap.parse_args(argv)
+    try:
+        gpus = parse_gpus(a.gpus, visible_gpus())
+    except ValueError as e:
+        ap.error(str(e))
     ckpt = resolve_checkpoint(a.model)
     params = dict(p.split("=", 1) for p in a.param)
     instances = {m: int(n) for m, n in (p.split("=", 1) for p in a.instances)}
     key = a.admin_key or secrets.token_urlsafe(16)
+    internal = a.triton_http_port or free_port()  # one port for every restart: the gateway's upstream
 
     def start():
-        return TritonServer(ckpt, a.host, a.http_port, a.grpc_port, a.metrics_port, a.run_dir, params,
-                            admin_key=key, exit_timeout_secs=a.exit_timeout_secs, instances=instances)
+        return TritonServer(ckpt, a.host, internal, a.grpc_port, a.metrics_port, a.run_dir, params,
+                            admin_key=key, exit_timeout_secs=a.exit_timeout_secs, instances=instances, gpus=gpus,
+                            http_host="127.0.0.1")
 
     # The handler only flags (set before starting, so an early SIGTERM is not lost); the main loop stops the
     # server, which waits for in-flight requests, something a signal handler should not do.
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())
+    a.run_dir.mkdir(parents=True, exist_ok=True)
+    health_file = a.run_dir / "health.json"  # the watchdog's verdict (egemma.serving.health) for the gateway
     print(f"starting tritonserver for {ckpt} ...", flush=True)
     if a.watchdog:
         from egemma.ops.watchdog import Watchdog
-        supervisor = Watchdog(start, max_busy=a.watchdog_max_busy).start()
+        supervisor = Watchdog(start, max_busy=a.watchdog_max_busy, health_file=health_file).start()
     else:
         supervisor = start()
     h = "127.0.0.1" if a.host in ("0.0.0.0", "::") else a.host
-    gateway = None
-    if a.openai_port:
-        from egemma.serving.gateway import make_server
-        gateway = make_server(a.host, a.openai_port, f"{h}:{a.grpc_port}", ckpt, str(a.run_dir / "tokenizer.json"))
-        threading.Thread(target=gateway.serve_forever, daemon=True).start()
+    ports = [a.http_port] + ([a.openai_port] if a.openai_port else [])
+    front = Front([*(f"--port={p}" for p in ports), f"--host={a.host}", f"--triton-http=127.0.0.1:{internal}",
+                   f"--triton-grpc={h}:{a.grpc_port}", f"--triton-metrics={h}:{a.metrics_port}",
+                   f"--max-request-bytes={a.max_request_bytes}", f"--workers={a.gateway_workers}",
+                   f"--model-name={a.served_model_name}", *(f"--alias={n}" for n in a.alias),
+                   *([f"--health-file={health_file}"] if a.watchdog else [])], f"http://{h}:{a.http_port}")
+    try:
+        front.start()
+    except (RuntimeError, TimeoutError):
+        supervisor.stop()
+        raise
     print(f"""
 ready: model 'embeddinggemma' (checkpoint {ckpt})
-  HTTP    http://{h}:{a.http_port}
+  HTTP    http://{h}:{a.http_port}  (gateway: KServe v2, OpenAI, TEI; bodies up to {a.max_request_bytes} bytes)
   gRPC    {h}:{a.grpc_port}
   metrics http://{h}:{a.metrics_port}/metrics
   admin   the {ADMIN_APIS} APIs need HTTP header '{ADMIN_HEADER}: {key}'
           (gRPC metadata 'triton-grpc-protocol-{ADMIN_HEADER}: {key}')
   watchdog {'on' if a.watchdog else 'off'}; SIGTERM drains in-flight requests for up to {a.exit_timeout_secs}s
-  openai  {f'http://{h}:{a.openai_port}/v1/embeddings' if gateway else 'off (--openai-port N)'}
+  openai  {f'http://{h}:{a.openai_port}/v1/embeddings' if a.openai_port else f'http://{h}:{a.http_port}/v1/embeddings'}
 
   curl -s http://{h}:{a.http_port}/v2/models/embeddinggemma/infer -d \\
     '{{"inputs":[{{"name":"TEXT","shape":[1,1],"datatype":"BYTES","data":["hello world"]}}]}}'
@@ -98,14 +139,14 @@ print(c.infer('embeddinggemma', [i]).as_numpy('EMBEDDING'))"
     rc = 0
     try:
         while not done.wait(0.5):
+            front.check()
             if not a.watchdog and supervisor.proc.poll() is not None:  # unsupervised, a dead server ends it all
                 rc = supervisor.proc.returncode
                 break
     except KeyboardInterrupt:
         pass
-    if gateway:
-        gateway.shutdown()
     supervisor.stop()
+    front.stop()
     sys.exit(rc)
 
 

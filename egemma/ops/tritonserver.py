@@ -17,7 +17,9 @@ import urllib.request
 from pathlib import Path
 
 from egemma.engine.tokenizer import resolved_tokenizer_json
+from egemma.ops.host import tokenizer_instances, usable_cores
 from egemma.ops.repository import REPO, render_repository
+from egemma.serving.instance import HEARTBEAT_DIR
 
 # Admin-only APIs: with them a client could read the repository layout, map shared memory, or redirect traces
 # and logs to files. Inference, health, metadata, config and statistics stay open.
@@ -68,12 +70,18 @@ class TritonServer:
     def __init__(self, checkpoint: Path, host="127.0.0.1", http_port=8000, grpc_port=8001, metrics_port=8002,
                  run_dir: Path | None = None, params: dict[str, str] | None = None, log_file=None,
                  extra_args=(), ready_timeout=600.0, repository: Path = REPO, admin_key: str | None = None,
-                 exit_timeout_secs: int = 30, instances: dict[str, int] | None = None, stub_bin: str | None = None):
+                 exit_timeout_secs: int = 30, instances: dict[str, int] | None = None, stub_bin: str | None = None,
+                 gpus: list[int] | None = None, http_host: str | None = None):
         """instances: {model: count} over the repository's counts (without a GPU, over CPU_INSTANCES first: the
-        repository's are for a GPU host, and on CPU each encoder instance is a forward competing for the cores).
+        repository's are for a GPU host, and on CPU each encoder instance is a forward competing for the cores;
+        with one, the tokenizer's count from the host's cores, egemma.ops.host.tokenizer_instances).
+        gpus: device ids to place the encoder's instances on (KIND_GPU, its count per GPU); None or empty:
+        KIND_MODEL as in the repository (cuda:0, or the CPU).
         stub_bin: the bin directory of the Python environment the stubs run (default $TRITON_STUB_PATH, else
-        this interpreter's)."""
+        this interpreter's). http_host: the address of Triton's own HTTP (default host; the launcher keeps it on
+        loopback behind egemma.serving.gateway, since one request can crash it)."""
         self.host, self.http_port, self.grpc_port, self.metrics_port = host, http_port, grpc_port, metrics_port
+        self.http_host = http_host or host
         # No key given: a random one, so the admin APIs are never open by accident.
         self.admin_key = admin_key or secrets.token_urlsafe(16)
         self.exit_timeout_secs = exit_timeout_secs
@@ -82,19 +90,25 @@ class TritonServer:
         tokenizer_json = self.run_dir / "tokenizer.json"
         tokenizer_json.write_text(resolved_tokenizer_json(checkpoint))
         params = {"tokenizer_json": str(tokenizer_json), **(params or {})}
-        if not gpu_host() and repository == REPO:
-            instances = {**CPU_INSTANCES, **(instances or {})}
+        if repository == REPO:
+            defaults = CPU_INSTANCES if not gpu_host() else {
+                "embeddinggemma_tokenizer": tokenizer_instances(usable_cores(), len(gpus or [0]))}
+            instances = {**defaults, **(instances or {})}
         self.repo = render_repository(self.run_dir / "model_repository", checkpoint, params, repository,
-                                      optional=("tokenizer_json",), instances=instances)
+                                      optional=("tokenizer_json",), instances=instances, gpus=gpus)
+        # Every model instance stamps its executes here (egemma.serving.instance); the watchdog reads them.
+        self.heartbeat_dir = self.run_dir / "heartbeat"
+        shutil.rmtree(self.heartbeat_dir, ignore_errors=True)
+        self.heartbeat_dir.mkdir()
         binary, backends = find_tritonserver()
         self.cmd = [str(binary), f"--model-repository={self.repo}", f"--backend-directory={backends}",
                     "--model-control-mode=none", "--exit-on-error=true", "--strict-readiness=true",
-                    f"--http-address={host}", f"--http-port={http_port}", f"--grpc-address={host}",
+                    f"--http-address={self.http_host}", f"--http-port={http_port}", f"--grpc-address={host}",
                     f"--grpc-port={grpc_port}", f"--metrics-address={host}", f"--metrics-port={metrics_port}",
                     f"--http-restricted-api={ADMIN_APIS}:{ADMIN_HEADER}={self.admin_key}",
                     f"--grpc-restricted-protocol={ADMIN_APIS}:{ADMIN_HEADER}={self.admin_key}",
                     f"--exit-timeout-secs={exit_timeout_secs}", *extra_args]
-        env = dict(os.environ)
+        env = {**os.environ, HEARTBEAT_DIR: str(self.heartbeat_dir)}
         # The stub runs the Python whose bin is first on PATH: this one, or $TRITON_STUB_PATH (a numpy<2 venv).
         stub_bin = stub_bin or os.environ.get("TRITON_STUB_PATH") or str(Path(sys.executable).parent)
         env["PATH"] = f"{stub_bin}{os.pathsep}{env.get('PATH', '')}"
@@ -110,7 +124,7 @@ class TritonServer:
 
     @property
     def http_url(self) -> str:
-        return f"{self.host}:{self.http_port}"
+        return f"{self.http_host}:{self.http_port}"
 
     @property
     def grpc_url(self) -> str:

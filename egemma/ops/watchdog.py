@@ -6,14 +6,20 @@ the stub processes it started, then sends a canary inference (one short text thr
 is exercised). It restarts the server:
 - at once if the server exited, a stub died, or a stub is stopped (SIGSTOP; with several instances of a model
   the canary would mostly be answered by the others, while the requests given to the stopped one wait);
+- at once if one model instance has been in one execute for `hang_after` seconds while its stub used no CPU
+  (each instance stamps its executes' start, end and tokens, egemma.serving.instance): hung, even while the other
+  instances answer the canary; and if one instance has been in one execute for over `max_busy` seconds, times
+  its tokens / TOKENS_PER_MAX_BUSY where more (the encoder's 256-row batches of 2048 tokens take ~100 s on two
+  cores), while busy: spinning;
 - at once if the canary timed out while the server and its stubs used almost no CPU (under a quarter of a core)
   and no request completed: a model is hung;
 - if canaries keep timing out while the processes are busy and no request completes (Triton's statistics API:
   all models' success counts) for more than `max_busy` seconds: a model is spinning. While requests
   complete, or for less long, a timed-out canary is excused (a 64 x 2048-token batch takes ~25 s on two cores);
 - after `failures` other canary failures (an error, a refused connection) in a row.
-Not seen: one of several instances of a model hung or spinning while the others answer the canary (Triton's
-statistics do not tell instances apart); its requests wait until their clients time out.
+After every check the verdict (serving or why not) goes to `health_file` (egemma.serving.health), which the
+gateway's liveness route answers from: a watchdog that stops checking leaves a verdict that ages, and a restart
+writes "restarting" first, so liveness fails only when restarts keep failing or the watchdog itself is stuck.
 Restarting kills the server's process group (a graceful stop would wait out --exit-timeout-secs on the dead model)
 and starts it again on the same ports; requests in flight then fail, later ones succeed."""
 from __future__ import annotations
@@ -29,9 +35,13 @@ import urllib.error
 import urllib.request
 from typing import Callable
 
-from egemma.ops.procfs import cpu_seconds, stopped, stub_pids
+from egemma.ops.procfs import cpu_seconds, group, stopped, stub_pids
+from egemma.serving import health
+from egemma.serving.instance import read_heartbeats
 
 TIMED_OUT = "canary timed out"
+IDLE_CPU = 0.05  # of a core: a stub in execute using less is blocked (Python waiting on nothing uses ~0)
+TOKENS_PER_MAX_BUSY = 64 * 2048  # ~25 s on two cores: one execute of more tokens may take max_busy x its share
 
 
 def canary(http_url: str, model: str = "embeddinggemma", timeout: float = 5.0) -> str | None:
@@ -73,10 +83,11 @@ class Watchdog:
     failed) for every restart; `busy` counts canary timeouts excused because the server was computing."""
 
     def __init__(self, start: Callable[[], object], interval: float = 2.0, timeout: float = 5.0, failures: int = 2,
-                 max_busy: float = 120.0,
+                 max_busy: float = 120.0, hang_after: float = 3.0, health_file=None,
                  log=lambda msg: print(f"watchdog: {msg}", file=sys.stderr, flush=True)):
         self._start, self.interval, self.timeout, self.failures, self.log = start, interval, timeout, failures, log
-        self.max_busy = max_busy
+        self.max_busy, self.hang_after, self.health_file = max_busy, hang_after, health_file
+        self._executing: dict[tuple[int, float], tuple[float, float]] = {}  # (pid, begin): (seen at, its CPU then)
         self.server = None
         self._progress = 0.0  # time.monotonic() when the server last answered a request
         self.events: list[tuple[float, str, float | None]] = []
@@ -89,12 +100,17 @@ class Watchdog:
         self.server = self._start()
         self.n_stubs = len(stub_pids(self.server.proc.pid))
         self._progress = time.monotonic()
+        self._verdict(None)
         self._thread.start()
         return self
 
+    def _verdict(self, why: str | None):
+        if self.health_file is not None:
+            health.write(self.health_file, why is None, why)
+
     def _url(self) -> str:
-        host = "127.0.0.1" if self.server.host in ("0.0.0.0", "::", "") else self.server.host
-        return f"{host}:{self.server.http_port}"
+        host = self.server.http_host  # Triton's own HTTP, behind the gateway
+        return f"{'127.0.0.1' if host in ('0.0.0.0', '::', '') else host}:{self.server.http_port}"
 
     def check(self, failed_before: int) -> tuple[str | None, bool]:
         """(why the server is not serving or None, whether that alone warrants a restart)."""
@@ -109,10 +125,13 @@ class Watchdog:
                   if stopped(p)]
         if frozen:
             return f"stopped Python backend stub of {', '.join(frozen)}", True
+        stuck = self.stuck_instance(stubs)
+        if stuck:
+            return stuck, True
         url, pid = self._url(), self.server.proc.pid
-        done, cpu = completed(url), cpu_seconds(pid)
+        done, cpu = completed(url), cpu_seconds(pid) or 0.0  # None: exited meanwhile, seen by the next check
         why = canary(url, timeout=self.timeout)
-        now, idle = time.monotonic(), cpu_seconds(pid) - cpu < 0.25 * self.timeout
+        now, idle = time.monotonic(), (cpu_seconds(pid) or 0.0) - cpu < 0.25 * self.timeout
         if why is None:
             self._progress = now
         if why != TIMED_OUT:
@@ -127,10 +146,33 @@ class Watchdog:
         self.busy += 1
         return None, False  # busy, not hung
 
+    def stuck_instance(self, stubs: dict[int, str]) -> str | None:
+        """Why one model instance is hung or spinning, from the heartbeats its stub stamps (None if none is)."""
+        now, seen = time.monotonic(), {}
+        for name, (begin, end, pid, tokens) in read_heartbeats(self.server.heartbeat_dir).items():
+            if pid not in stubs or end >= begin:  # another server's, or not in an execute
+                continue
+            cpu = cpu_seconds(pid, with_children=False)
+            if cpu is None:
+                continue
+            first = seen[(pid, begin)] = self._executing.get((pid, begin), (now, cpu))
+            age, watched = now - begin, now - first[0]
+            if age >= self.hang_after and watched >= 1.0 and cpu - first[1] < IDLE_CPU * watched:
+                return (f"model instance {name} (pid {pid}) has been in one execute for {age:.1f}s using no CPU: "
+                        "it is hung")
+            allowed = self.max_busy * max(1.0, tokens / TOKENS_PER_MAX_BUSY)
+            if age > allowed:
+                return (f"model instance {name} (pid {pid}) has been in one execute of {tokens} tokens for {age:.1f}s "
+                        f"while busy (over {allowed:g}s: max_busy {self.max_busy:g}s, scaled for batches over "
+                        f"{TOKENS_PER_MAX_BUSY} tokens): it is spinning")
+        self._executing = seen
+        return None
+
     def _run(self):
         failed = 0
         while not self._stop.wait(self.interval):
             why, restart = self.check(failed)
+            self._verdict(why)
             failed = failed + 1 if why else 0
             if restart and not self._stop.is_set():
                 self.restart(why)
@@ -142,6 +184,7 @@ class Watchdog:
                 return
             noticed = time.monotonic()
             self.log(f"restarting tritonserver: {why}")
+            self._verdict(f"restarting: {why}")
             self._kill()
             try:
                 self.server = self._start()
@@ -149,19 +192,30 @@ class Watchdog:
                 self._progress = time.monotonic()
                 took = time.monotonic() - noticed
                 self.log(f"tritonserver serving again after {took:.1f}s")
+                self._verdict(None)
             except Exception as e:  # e.g. a port still taken: try again on the next check
                 self.server, took = None, None
                 self.log(f"restart failed: {type(e).__name__}: {e}")
+                self._verdict(f"restart failed: {type(e).__name__}: {e}")
             self.events.append((noticed, why, took))
 
-    def _kill(self):
+    def _kill(self, timeout: float = 30.0):
+        """SIGKILL the old server's whole process group, also when the server itself already exited (its stubs
+        may outlive it, holding memory and a CUDA context), and wait until no process of the group is left."""
         s = self.server
-        if s is not None and s.proc.poll() is None:
-            try:
-                os.killpg(s.proc.pid, signal.SIGKILL)  # the server and its stubs (one process group)
-            except ProcessLookupError:
-                pass
-            s.proc.wait()
+        if s is None:
+            return
+        try:
+            os.killpg(s.proc.pid, signal.SIGKILL)  # the server and its stubs (one process group)
+        except ProcessLookupError:
+            pass
+        s.proc.wait()
+        deadline = time.monotonic() + timeout
+        while left := group(s.proc.pid):
+            if time.monotonic() > deadline:
+                self.log(f"processes {left} of the old server's group outlived SIGKILL for {timeout:g}s")
+                return
+            time.sleep(0.05)  # the kernel tears them down; polled with a deadline
 
     def stop(self, timeout: float | None = None):
         """Stop watching, then stop the server gracefully (SIGTERM drains in-flight requests; TritonServer.stop)."""

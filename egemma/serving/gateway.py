@@ -1,114 +1,215 @@
-"""OpenAI-compatible `POST /v1/embeddings` in front of Triton's gRPC endpoint.
+"""The server's HTTP front: one asyncio (aiohttp) process on the user-facing HTTP port(s) that proxies the KServe v2
+routes to Triton's own HTTP on a loopback port, every request bounded before it reaches Triton, and serves the
+OpenAI and TEI routes (egemma.serving.openai_api, egemma.serving.tei_api) over one shared aio gRPC client.
 
-Body: {"input": str | [str], "model": any, "dimensions": int, "encoding_format": "float" | "base64",
-       "prompt_name": str, "prompt": str, "truncate": bool}   (the last three are extensions)
-Started by `scripts/serve.sh --openai-port N`, or alone: python -m egemma.openai_gateway --help."""
+  python -m egemma.serving.gateway --port 8000 [--port 8080 ...] --triton-http 127.0.0.1:P --triton-grpc 127.0.0.1:Q
+      [--host 127.0.0.1] [--max-request-bytes 3145728] [--workers 1] [--model-name google/embeddinggemma-300m]
+      [--alias NAME ...] [--health-file PATH] [--triton-metrics 127.0.0.1:R] [--max-connections 1024]
+      [--idle-timeout 60] [--body-timeout 60]
+
+Triton 2.51's HTTP server dies on some single requests (tests/test_front.py keeps each one, against bare Triton);
+what reaches it from here cannot be one of them:
+  - a body over --max-request-bytes: 413 (on Content-Length at once, a chunked body as soon as it grows past; never
+    buffered beyond the limit). Triton crashes on bodies of 4 MiB and more on the GPU host (upstream #5840);
+  - gzip / deflate bodies are inflated as they arrive, under the same limit, and sent on plain (a 3 MiB gzip body
+    holds 3 GB, which Triton would inflate whole);
+  - JSON nested deeper than MAX_JSON_DEPTH (2.51 overflows its stack on ~100k-deep `data` or generate bodies);
+  - an infer input whose shape holds more elements than its JSON data can (2.51 allocates shape x element size
+    before reading `data` and aborts when that fails), dims outside [0, 2^63), duplicate JSON keys (Triton reads
+    the first, a check here the last); an Inference-Header-Content-Length that is not a decimal within the body.
+Connections: header lines over 8 KiB or 128 headers are a 400; a connection that sends no complete request
+within --idle-timeout (also mid-headers) is closed, as is one whose body is not complete within --body-timeout;
+over --max-connections per worker a new one gets a 503. Everything else, in both directions, passes unchanged
+(Content-Type, Inference-Header-Content-Length, admin-key, Accept-Encoding; Triton enforces the admin key), so
+tritonclient.http (JSON and binary tensors), curl and perf_analyzer work as against Triton itself.
+/v2/health/live is the watchdog's verdict (egemma.serving.health) when --health-file is given (Triton's own stays
+200 after a model process died); /v2/health/ready needs that verdict and Triton's ready. --workers K runs K
+processes on the same sockets (one process group; SIGTERM drains each).
+
+Route modules read the app's state as request.app["gw"], a Gateway; its gRPC client and the HTTP pool to Triton
+are made when the app starts and closed at cleanup. Route handlers may `await request.read()` / `.json()`:
+aiohttp's client_max_size is max_body (over it, web.HTTPRequestEntityTooLarge)."""
 from __future__ import annotations
 
 import argparse
-import base64
-import json
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+import asyncio
+import importlib
+import importlib.util
+import os
+import resource
+import sys
+import warnings
+from dataclasses import dataclass, field
 
-import numpy as np
-import tritonclient.grpc as grpcclient
-from tritonclient.utils import InferenceServerException
+from aiohttp import web
 
-from egemma.engine.config import ModelConfig
-from egemma.engine.tokenizer import TextTokenizer
+from egemma.serving import health
+from egemma.serving.aioserver import event_loop_runner, exit_with_parent, listen, serve
+from egemma.serving.guard import Rejected, check_kserve, error, read_body, too_large
+from egemma.serving.upstream import Upstream, UpstreamError
 
-MAX_BATCH = 64  # the ensemble's max_batch_size
-MAX_BODY = 64 << 20
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status = status
-
-
-def embed(client, body: dict, tok: TextTokenizer | None, model_name: str) -> dict:
-    texts = body.get("input")
-    if isinstance(texts, str):
-        texts = [texts]
-    if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
-        raise ApiError(400, "input must be a non-empty string or list of strings")
-    fmt = body.get("encoding_format", "float")
-    if fmt not in ("float", "base64"):
-        raise ApiError(400, f"encoding_format must be 'float' or 'base64', got {fmt!r}")
-    params = {k: body[k] for k in ("dimensions", "prompt_name", "prompt", "truncate") if body.get(k) is not None}
-    out = []
-    for a in range(0, len(texts), MAX_BATCH):
-        chunk = texts[a:a + MAX_BATCH]
-        i = grpcclient.InferInput("TEXT", [len(chunk), 1], "BYTES")
-        i.set_data_from_numpy(np.array([[t.encode()] for t in chunk], dtype=object))
-        try:
-            out.append(client.infer("embeddinggemma", [i], parameters=params).as_numpy("EMBEDDING"))
-        except InferenceServerException as e:
-            raise ApiError(400 if "INVALID_ARG" in str(e.status()) else 502, e.message()) from None
-    emb = np.concatenate(out).astype("<f4")
-    tokens = 0
-    if tok is not None:
-        prefix = tok.prefix(params.get("prompt_name"), params.get("prompt"))
-        tokens = sum(len(s) for s in tok.encode([prefix + t for t in texts]))
-    data = [{"object": "embedding", "index": k,
-             "embedding": base64.b64encode(e.tobytes()).decode() if fmt == "base64" else e.tolist()}
-            for k, e in enumerate(emb)]
-    return {"object": "list", "data": data, "model": model_name,
-            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+DEFAULT_MAX_BODY = 3 << 20  # under the 4 MiB at which Triton 2.51's HTTP crashes on the GPU host
+HEALTH_MAX_AGE = 15.0  # s: the watchdog writes a verdict every ~2-7 s; an older one vouches for nothing
+REQUEST_HEADERS = ("Content-Type", "Inference-Header-Content-Length", "admin-key", "Accept-Encoding")
+RESPONSE_HEADERS = ("Content-Type", "Inference-Header-Content-Length", "Content-Encoding")
+_GW = "gw"
 
 
-def make_server(host: str, port: int, grpc_url: str, checkpoint=None, tokenizer_json=None,
-                model_name="google/embeddinggemma-300m") -> ThreadingHTTPServer:
-    tok = TextTokenizer(ModelConfig.load(checkpoint), tokenizer_json) if checkpoint else None
-    client = grpcclient.InferenceServerClient(grpc_url)
-
-    class Handler(BaseHTTPRequestHandler):
-        def _send(self, status: int, obj: dict):
-            raw = json.dumps(obj).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(raw)))
-            self.end_headers()
-            self.wfile.write(raw)
-
-        def do_GET(self):
-            if self.path.rstrip("/") == "/v1/models":
-                return self._send(200, {"object": "list", "data": [{"id": model_name, "object": "model"}]})
-            self._send(404, {"error": {"message": f"no route {self.path}", "type": "invalid_request_error"}})
-
-        def do_POST(self):
-            try:
-                if self.path.rstrip("/") != "/v1/embeddings":
-                    raise ApiError(404, f"no route {self.path}")
-                n = int(self.headers.get("Content-Length", 0))
-                if n > MAX_BODY:
-                    raise ApiError(413, f"request body over {MAX_BODY} bytes")
-                try:
-                    body = json.loads(self.rfile.read(n))
-                except json.JSONDecodeError as e:
-                    raise ApiError(400, f"body is not JSON: {e}") from None
-                self._send(200, embed(client, body, tok, model_name))
-            except ApiError as e:
-                kind = "invalid_request_error" if e.status < 500 else "server_error"
-                self._send(e.status, {"error": {"message": str(e), "type": kind}})
-
-        def log_message(self, *args):  # quiet: Triton logs the inferences
-            pass
-
-    return ThreadingHTTPServer((host, port), Handler)
+@dataclass
+class Gateway:
+    grpc: object = field(default=None, init=False)  # tritonclient.grpc.aio.InferenceServerClient, made at startup
+    triton_http: str  # host:port of Triton's own HTTP (loopback)
+    triton_grpc: str  # host:port of Triton's gRPC, for `grpc`
+    model_name: str = "google/embeddinggemma-300m"  # served model name for OpenAI / TEI
+    aliases: tuple[str, ...] = ()
+    max_body: int = DEFAULT_MAX_BODY  # bytes
+    max_batch: int = 64
+    health_file: str | None = None
+    triton_metrics: str | None = None  # host:port of Triton's metrics, for TEI's GET /metrics
+    body_timeout: float = 60.0  # s for a request's whole body to arrive
+    upstream: Upstream | None = field(default=None, init=False)  # pooled connections to triton_http
 
 
-def main():
+async def proxy(request: web.Request) -> web.Response:
+    """A KServe v2 request, checked, to Triton's own HTTP; its answer back as it is."""
+    gw: Gateway = request.app[_GW]
+    if request.method not in ("GET", "POST"):  # all that Triton's HTTP API uses
+        return error(405, f"method {request.method} is not part of the KServe v2 HTTP API")
+    headers = {k: v for k in REQUEST_HEADERS if (v := request.headers.get(k)) is not None}
+    body = None
+    try:
+        if request.body_exists:
+            body = await read_body(request, gw)  # inflated: it goes on plain
+            if request.method == "POST":
+                check_kserve(request, body)
+    except Rejected as e:
+        return error(e.status, str(e))
+    try:
+        status, h, data = await gw.upstream.request(request.method, request.rel_url.raw_path_qs, headers, body)
+    except UpstreamError as e:
+        return error(502, f"Triton failed to answer: {e}")
+    except (OSError, asyncio.TimeoutError) as e:
+        return error(503, f"Triton is not reachable (restarting?): {type(e).__name__}: {e}")
+    return web.Response(status=status, body=data,
+                        headers={k: v for k in RESPONSE_HEADERS if (v := h.get(k.lower())) is not None})
+
+
+async def _expect(request: web.Request):
+    """Expect: 100-continue: an oversize body is refused before the client sends it."""
+    gw: Gateway = request.app[_GW]
+    if (request.content_length or 0) > gw.max_body:
+        return error(413, str(too_large(gw, f"of {request.content_length} bytes")))
+    if request.headers.get("Expect", "").lower() == "100-continue":
+        request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+    return None
+
+
+def verdict(gw: Gateway) -> tuple[bool, str]:
+    return health.read(gw.health_file, HEALTH_MAX_AGE) if gw.health_file else (True, "no watchdog")
+
+
+async def live(request: web.Request) -> web.Response:
+    gw: Gateway = request.app[_GW]
+    if not gw.health_file:
+        return await proxy(request)
+    ok, why = verdict(gw)
+    return web.json_response({"live": ok, "why": why}, status=200 if ok else 503)
+
+
+async def ready(request: web.Request) -> web.Response:
+    ok, why = verdict(request.app[_GW])
+    return await proxy(request) if ok else web.json_response({"ready": False, "why": why}, status=503)
+
+
+@web.middleware
+async def body_deadline(request: web.Request, handler):
+    """A body that has not fully arrived within body_timeout closes its connection (for every route)."""
+    if not request.body_exists or request.content.is_eof():  # no body, or all of it came with the headers
+        return await handler(request)
+    h = asyncio.get_running_loop().call_later(request.app[_GW].body_timeout, _drop_if_unread, request)
+    try:
+        return await handler(request)
+    finally:
+        h.cancel()
+
+
+def _drop_if_unread(request: web.Request):
+    if not request.content.is_eof() and request.transport is not None:
+        request.transport.close()
+
+
+async def _clients(app: web.Application):
+    import tritonclient.grpc.aio as grpcaio
+    gw: Gateway = app[_GW]
+    gw.grpc = grpcaio.InferenceServerClient(gw.triton_grpc)
+    gw.upstream = Upstream(gw.triton_http)
+    yield
+    gw.upstream.close()
+    await gw.grpc.close()
+
+
+def make_app(gw: Gateway) -> web.Application:
+    """KServe v2 proxy routes, then openai_api.add_routes(app) and tei_api.add_routes(app) where they exist."""
+    app = web.Application(client_max_size=gw.max_body, middlewares=[body_deadline])
+    with warnings.catch_warnings():  # route modules read it by this plain name
+        warnings.simplefilter("ignore", web.NotAppKeyWarning)
+        app[_GW] = gw
+    app.cleanup_ctx.append(_clients)
+    app.router.add_get("/v2/health/live", live)
+    app.router.add_get("/v2/health/ready", ready)
+    app.router.add_route("*", r"/v2{tail:(/.*)?}", proxy, expect_handler=_expect)
+    for name in ("openai_api", "tei_api"):
+        if importlib.util.find_spec(f"egemma.serving.{name}"):
+            importlib.import_module(f"egemma.serving.{name}").add_routes(app)
+    return app
+
+
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=8080)
-    ap.add_argument("--grpc-url", default="127.0.0.1:8001", help="Triton gRPC endpoint")
-    ap.add_argument("--model", help="checkpoint directory, for token counts in `usage` (optional)")
-    a = ap.parse_args()
-    srv = make_server(a.host, a.port, a.grpc_url, a.model)
-    print(f"OpenAI-compatible embeddings at http://{a.host}:{a.port}/v1/embeddings -> {a.grpc_url}", flush=True)
-    srv.serve_forever()
+    ap.add_argument("--port", type=int, action="append", required=True, help="a port to serve on (repeatable)")
+    ap.add_argument("--triton-http", required=True, help="host:port of Triton's own HTTP")
+    ap.add_argument("--triton-grpc", required=True, help="host:port of Triton's gRPC")
+    ap.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_BODY)
+    ap.add_argument("--workers", type=int, default=1, help="processes serving the same sockets")
+    ap.add_argument("--model-name", default="google/embeddinggemma-300m", help="served name for OpenAI / TEI")
+    ap.add_argument("--alias", action="append", default=[], help="another accepted model name (repeatable)")
+    ap.add_argument("--health-file", help="the watchdog's verdict file (egemma.serving.health)")
+    ap.add_argument("--triton-metrics", help="host:port of Triton's metrics, passed through at GET /metrics")
+    ap.add_argument("--max-connections", type=int, default=1024, help="open connections per worker")
+    ap.add_argument("--idle-timeout", type=float, default=60.0,
+                    help="seconds a connection may wait for a complete request (headers) before it is closed")
+    ap.add_argument("--body-timeout", type=float, default=60.0, help="seconds for a request's whole body")
+    ap.add_argument("--exit-with-parent", type=int, metavar="PID",
+                    help="exit when process PID (the launcher, our parent) dies, even by SIGKILL")
+    a = ap.parse_args(argv)
+    if a.exit_with_parent:
+        exit_with_parent(a.exit_with_parent)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)  # connections are file descriptors
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    max_connections = min(a.max_connections, max(16, (hard - 64) // 2))  # each also holds one to Triton
+    socks = [listen(a.host, p) for p in a.port]  # bound once, shared by the workers (one accept queue)
+    gw = Gateway(triton_http=a.triton_http, triton_grpc=a.triton_grpc, model_name=a.model_name,
+                 aliases=tuple(a.alias), max_body=a.max_request_bytes, health_file=a.health_file,
+                 triton_metrics=a.triton_metrics, body_timeout=a.body_timeout)
+    run, loop = event_loop_runner()
+    workers = []
+    for _ in range(a.workers - 1):
+        if (pid := os.fork()) == 0:
+            exit_with_parent(os.getppid())
+            run(serve(make_app(gw), socks, max_connections, a.idle_timeout))
+            os._exit(0)
+        workers.append(pid)
+    print(f"gateway: {', '.join(f'http://{a.host}:{p}' for p in a.port)} -> Triton HTTP {a.triton_http}, gRPC "
+          f"{a.triton_grpc}; max request {a.max_request_bytes} bytes; {a.workers} worker(s) of at most "
+          f"{max_connections} connections on {loop}",
+          file=sys.stderr, flush=True)
+    run(serve(make_app(gw), socks, max_connections, a.idle_timeout, tuple(workers)))
+    for pid in workers:  # draining too (serve() sent them SIGTERM)
+        try:
+            os.waitpid(pid, 0)
+        except ChildProcessError:  # already reaped
+            pass
 
 
 if __name__ == "__main__":

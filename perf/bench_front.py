@@ -1,0 +1,140 @@
+"""What the HTTP front (egemma.serving.gateway) costs, on the GPU host: one ~16-token query over HTTP, direct to
+Triton's own HTTP and through the gateway, interleaved on one server (a keep-alive http.client connection each);
+and the largest request the server takes (64 texts x 1 MB, over gRPC: over HTTP it is a 413) with its time split
+across the models (Triton's statistics).
+
+  python perf/bench_front.py CHECKPOINT [--out DIR] [--n 2000] [--workers 1] [--big-rows 64] [--big-bytes 1000000]
+
+Prints a table and writes front.json. Needs tritonclient.grpc, aiohttp (the gateway) and this repository; no
+tritonclient.http (the GPU host has none)."""
+import argparse
+import http.client
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import tritonclient.grpc as grpcclient
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_serve import make_text, model_stats, prose, stats_delta  # noqa: E402
+
+from egemma.engine.config import ModelConfig  # noqa: E402
+from egemma.engine.tokenizer import TextTokenizer  # noqa: E402
+from egemma.ops.front import Front  # noqa: E402
+from egemma.ops.procfs import stat  # noqa: E402
+from egemma.ops.tritonserver import TritonServer, free_port  # noqa: E402
+
+INFER = "/v2/models/embeddinggemma/infer"
+
+
+def cpu_s(pid: int) -> float:
+    s = stat(pid)
+    return (int(s[11]) + int(s[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def one_query(conn: http.client.HTTPConnection, body: bytes) -> float:
+    t0 = time.perf_counter()
+    conn.request("POST", INFER, body, {"Content-Type": "application/json"})
+    r = conn.getresponse()
+    data = r.read()
+    dt = time.perf_counter() - t0
+    assert r.status == 200 and b"EMBEDDING" in data, (r.status, data[:200])
+    return dt
+
+
+def ms(xs: list[float]) -> dict:
+    xs = sorted(xs)
+    return {"p50_ms": 1e3 * xs[len(xs) // 2], "p99_ms": 1e3 * xs[int(len(xs) * 0.99)],
+            "mean_ms": 1e3 * statistics.fmean(xs), "n": len(xs)}
+
+
+def query_latency(server, front, query: str, n: int) -> dict:
+    body = json.dumps({"inputs": [{"name": "TEXT", "shape": [1, 1], "datatype": "BYTES", "data": [query]}]}).encode()
+    conns = {"direct": http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=60),
+             "gateway": http.client.HTTPConnection("127.0.0.1", front.port, timeout=60)}
+    for c in conns.values():  # warm-up: connections, the gateway's pool, the models
+        for _ in range(200):
+            one_query(c, body)
+    times = {k: [] for k in conns}
+    cpu0 = cpu_s(front.proc.pid)
+    for i in range(n):
+        for k in (("direct", "gateway") if i % 2 else ("gateway", "direct")):
+            times[k].append(one_query(conns[k], body))
+    gateway_cpu = (cpu_s(front.proc.pid) - cpu0) / n
+    out = {k: ms(v) for k, v in times.items()}
+    out["added_p50_ms"] = out["gateway"]["p50_ms"] - out["direct"]["p50_ms"]
+    out["gateway_cpu_ms_per_request"] = 1e3 * gateway_cpu
+    return out
+
+
+def largest_request(server, texts: list[str], runs: int) -> dict:
+    c = grpcclient.InferenceServerClient(server.grpc_url)
+    t = grpcclient.InferInput("TEXT", [len(texts), 1], "BYTES")
+    t.set_data_from_numpy(np.array([[s.encode()] for s in texts], dtype=object))
+    c.infer("embeddinggemma", [t], client_timeout=600)  # warm-up
+    before, wall = model_stats(c), []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        emb = c.infer("embeddinggemma", [t], client_timeout=600).as_numpy("EMBEDDING")
+        wall.append(time.perf_counter() - t0)
+        assert emb.shape[0] == len(texts) and np.isfinite(emb).all()
+    return {"rows": len(texts), "bytes_per_row": len(texts[0].encode()), "wall_s": [round(w, 3) for w in wall],
+            "median_s": statistics.median(wall), "per_model_ms_per_execution": stats_delta(before, model_stats(c))}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("checkpoint", type=Path)
+    ap.add_argument("--out", type=Path, default=Path("/tmp/front"))
+    ap.add_argument("--n", type=int, default=2000, help="queries each way")
+    ap.add_argument("--workers", type=int, default=1, help="gateway processes")
+    ap.add_argument("--big-rows", type=int, default=64)
+    ap.add_argument("--big-bytes", type=int, default=1_000_000, help="bytes per row (max_text_bytes)")
+    ap.add_argument("--big-runs", type=int, default=3)
+    a = ap.parse_args()
+    a.out.mkdir(parents=True, exist_ok=True)
+    tok, words, rng = TextTokenizer(ModelConfig.load(a.checkpoint)), prose(), random.Random(0)
+    query = make_text(tok, words, 16, rng)
+    big = []
+    for k in range(a.big_rows):  # real prose, each row its own stretch, exactly big_bytes long
+        start, row, n = rng.randrange(len(words)), [], 0
+        while n < a.big_bytes:
+            row.append(words[(start + len(row)) % len(words)])
+            n += len(row[-1]) + 1
+        b = " ".join(row).encode()[:a.big_bytes].decode(errors="ignore").encode()  # no cut character
+        big.append((b + b" " * (a.big_bytes - len(b))).decode())
+    res = {"query_tokens": tok.untruncated_length(query)}
+    with open(a.out / "server.log", "w") as slog, \
+            TritonServer(a.checkpoint, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
+                         log_file=slog) as s:
+        port = free_port()
+        front = Front([f"--port={port}", f"--triton-http={s.http_url}", f"--triton-grpc={s.grpc_url}",
+                       f"--workers={a.workers}"], f"http://127.0.0.1:{port}")
+        front.port = port
+        front.start()
+        try:
+            res["query"] = query_latency(s, front, query, a.n)
+            q = res["query"]
+            print(f"one {res['query_tokens']}-token query over HTTP, {a.n} each, interleaved:")
+            for k in ("direct", "gateway"):
+                print(f"  {k:8s} p50 {q[k]['p50_ms']:.3f} ms  p99 {q[k]['p99_ms']:.3f} ms  mean {q[k]['mean_ms']:.3f} ms")
+            print(f"  added by the gateway: p50 {q['added_p50_ms']:+.3f} ms; its CPU "
+                  f"{q['gateway_cpu_ms_per_request']:.3f} ms per request", flush=True)
+        finally:
+            front.stop()
+        res["largest"] = big_res = largest_request(s, big, a.big_runs)
+        print(f"largest request ({a.big_rows} x {a.big_bytes} bytes over gRPC): median {big_res['median_s']:.2f} s "
+              f"of {big_res['wall_s']}")
+        for m, st in big_res["per_model_ms_per_execution"].items():
+            split = "  ".join(f"{k} {v:.1f}" for k, v in st.items() if k.startswith(("queue", "compute")))
+            print(f"  {m:26s} {split} ms per execution")
+    (a.out / "front.json").write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
