@@ -210,3 +210,14 @@ class Launcher:
                 os.killpg(p, signal.SIGKILL)
         for f in self._files:
             f.close()
+
+
+def assert_good_beside_bad(gateway, threads, errors: list, got: dict, ref):
+    """The good requests sent in threads beside bad ones all answered with the reference, and the gateway serves."""
+    import requests
+    for t in threads:
+        t.join(120)
+    assert not errors and len(got) == len(threads), (errors, len(got))
+    for v in got.values():
+        assert_close(v, ref)
+    assert gateway.proc.poll() is None and requests.get(f"{gateway.url}/health", timeout=10).status_code == 200

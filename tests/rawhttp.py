@@ -95,13 +95,16 @@ def open_fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
-def tcp_connections(pid: int) -> int:
-    """TCP sockets pid holds (listening ones included)."""
+def tcp_connections(pid: int, port: int | None = None) -> int:
+    """TCP sockets pid holds (listening ones included); with port, only the connections it accepted on that port
+    (its own pooled connections to Triton come and go on their own)."""
     inodes = {os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
     n = 0
     for f in ("/proc/net/tcp", "/proc/net/tcp6"):
         for line in Path(f).read_text().splitlines()[1:]:
-            n += f"socket:[{line.split()[9]}]" in inodes
+            fields = line.split()
+            mine = f"socket:[{fields[9]}]" in inodes
+            n += mine and (port is None or int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] != "0A")
     return n
 
 

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import requests
 
-from helpers import GOOD, assert_close, expected_ids, make_texts, reference, st_embed_ids, st_model, text_input
+from helpers import (GOOD, assert_close, assert_good_beside_bad, expected_ids, make_texts, reference, st_embed_ids, st_model,
+                     text_input)
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.usefixtures("still_serving")
@@ -181,11 +182,5 @@ def test_bad_input_openai_shape_while_good_requests_stay_exact(gateway, client, 
         err = r.json()["error"]
         assert set(err) == {"message", "type", "param", "code"} and fragment in err["message"], err
         assert err["type"] == "invalid_request_error"
-    for t in threads:
-        t.join(120)
-    assert not errors and len(got) == 4
-    ref = reference(checkpoints["eos"], good)
-    for v in got.values():
-        assert_close(v, ref)
-    assert gateway.proc.poll() is None and requests.get(f"{gateway.url}/health", timeout=10).status_code == 200
+    assert_good_beside_bad(gateway, threads, errors, got, reference(checkpoints["eos"], good))
 

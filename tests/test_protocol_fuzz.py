@@ -189,15 +189,14 @@ def test_slow_stalled_and_idle_connections_are_closed_while_others_are_served(fr
 def test_connections_over_the_cap_get_a_503_and_the_cap_frees_up(server, tmp_path):
     f = start_front(server, tmp_path / "front.log", f"--max-connections={CAP}", "--idle-timeout=60")
     try:
-        base = tcp_connections(f.proc.pid)
         held = [socket.create_connection(("127.0.0.1", f.port), timeout=10) for _ in range(CAP)]
-        wait_for(lambda: tcp_connections(f.proc.pid) >= base + CAP, 10, "the front to accept them all")
+        wait_for(lambda: tcp_connections(f.proc.pid, f.port) >= CAP, 10, "the front to accept them all")
         reply = raw(f.port, post(ONE))
         assert status(reply) == 503 and b"too many connections" in reply, reply
         for s in held:
             s.close()
         wait_for(lambda: status(raw(f.port, post(ONE))) == 200, 10, "the cap to free up")
-        wait_for(lambda: tcp_connections(f.proc.pid) <= base + 2, 10, "the held connections to be gone")
+        wait_for(lambda: tcp_connections(f.proc.pid, f.port) <= 2, 10, "the held connections to be gone")
     finally:
         f.stop()
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import requests
 
-from helpers import GOOD, assert_close, expected_ids, reference, st_embed_ids, st_model
+from helpers import GOOD, assert_close, assert_good_beside_bad, expected_ids, reference, st_embed_ids, st_model
 from test_openai import NAME, kserve, renorm
 
 pytestmark = pytest.mark.usefixtures("still_serving")
@@ -139,13 +139,7 @@ def test_bad_input_tei_shape_while_good_requests_stay_exact(gateway, checkpoints
         assert r.status_code == status, (path, str(body)[:200], r.text)
         assert r.json().keys() == {"error", "error_type"} and r.json()["error_type"] == kind, r.text
         assert fragment in r.json()["error"], r.text
-    for t in threads:
-        t.join(120)
-    assert not errors and len(got) == 4
-    ref = reference(checkpoints["eos"], good)
-    for v in got.values():
-        assert_close(v, ref)
-    assert gateway.proc.poll() is None and requests.get(f"{gateway.url}/health", timeout=10).status_code == 200
+    assert_good_beside_bad(gateway, threads, errors, got, reference(checkpoints["eos"], good))
 
 
 def test_health_from_the_watchdog_verdict_and_triton_down(tmp_path):
