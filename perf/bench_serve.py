@@ -338,7 +338,8 @@ def main():
         suites.append(("ours " + " ".join(f"{m.rsplit('_', 1)[-1][:3]}{n}" for m, n in counts.items()), ours,
                        "embeddinggemma", "short", counts, None, None))
     if a.gpu0:
-        suites.append(("ours gpus=0", ours, "embeddinggemma", "short", None, None, [0]))
+        suites.append(("ours gpus=0", ours, "embeddinggemma", "sweep" if a.suite == "sweep" else "short", None, None,
+                       [0]))
     if a.floor:
         suites.append(("floor", floor_repository(a.out / "floor_repository"), "embeddinggemma", "short", None, None,
                        None))
