@@ -32,7 +32,7 @@ import sys
 import threading
 from pathlib import Path
 
-from egemma.ops.host import parse_gpus, visible_gpus
+from egemma.ops.host import parse_gpus, usable_cores, visible_gpus
 from egemma.ops.repository import ROOT, resolve_checkpoint
 from egemma.ops.front import Front
 from egemma.ops.tritonserver import ADMIN_APIS, ADMIN_HEADER, TritonServer, free_port
@@ -69,8 +69,9 @@ def main(argv=None):
     ap.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_BODY,
                     help=f"largest HTTP request body (default {DEFAULT_MAX_BODY}: Triton 2.51's HTTP crashes at "
                          "4 MiB); larger batches go over gRPC")
-    ap.add_argument("--gateway-workers", type=int, default=max(1, min(4, (os.cpu_count() or 1) // 4)),
-                    help="gateway processes (default: a quarter of the cores, 1 to 4)")
+    ap.add_argument("--gateway-workers", type=int, default=max(1, min(4, usable_cores() // 4)),
+                    help="gateway processes (default: a quarter of the usable cores, a pod's CPU quota included; "
+                         "1 to 4)")
     ap.add_argument("--triton-http-port", type=int, default=0,
                     help="Triton's own HTTP port, on 127.0.0.1 behind the gateway (default: a free one)")
     ap.add_argument("--watchdog", action=argparse.BooleanOptionalAction, default=True,
