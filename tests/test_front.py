@@ -20,7 +20,7 @@ import requests
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from egemma.ops.procfs import children, group, rss_kb, stub_pids
+from egemma.ops.procfs import children, group, kill_group, rss_kb, stub_pids
 from egemma.ops.tritonserver import free_port
 from egemma.serving import health
 from egemma.serving.gateway import DEFAULT_MAX_BODY
@@ -58,11 +58,8 @@ def test_bare_triton_http_is_killed_by_one_request(name, start_server):
 
 def _reap(pgid):
     """Kill what is left of a server's process group (a crashed server's stubs outlive it for a while)."""
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    wait_for(lambda: not group(pgid), 30, f"process group {pgid} to end")
+    left = kill_group(pgid, 30)
+    assert not left, f"processes {left} of group {pgid} outlived SIGKILL"
 
 
 # ---------------------------------------------------------------------------------- the same through the front

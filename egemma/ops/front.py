@@ -10,7 +10,7 @@ import time
 import urllib.error
 import urllib.request
 
-from egemma.ops.procfs import group
+from egemma.ops.procfs import kill_group
 
 
 class Front:
@@ -70,12 +70,7 @@ class Front:
             self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
             return self.kill(signal.SIGKILL, timeout)
-        deadline = time.monotonic() + timeout
-        while group(self.proc.pid) and time.monotonic() < deadline:
-            if sig != signal.SIGKILL:
-                sig = signal.SIGKILL  # the parent is gone; its workers get no more time
-                os.killpg(self.proc.pid, sig)
-            time.sleep(0.05)  # polled with a deadline
+        kill_group(self.proc.pid, timeout)  # the parent is gone; its workers get no more time
 
     def stop(self, timeout: float = 15.0):
         """SIGTERM: each worker stops accepting, finishes its requests in flight, exits."""

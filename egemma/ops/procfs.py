@@ -3,6 +3,8 @@ One parser of /proc/PID/stat serves them all."""
 from __future__ import annotations
 
 import os
+import signal
+import time
 
 STUB = "triton_python_backend_stub"
 
@@ -43,6 +45,21 @@ def group(pgid: int) -> list[int]:
     """Live (not zombie) processes of process group pgid."""
     return [int(d) for d in os.listdir("/proc") if d.isdigit() and (s := stat(int(d))) and int(s[2]) == pgid
             and s[0] != "Z"]
+
+
+def kill_group(pgid: int, timeout: float) -> list[int]:
+    """SIGKILL every process of group pgid and wait (polling, up to timeout) until none is left; the pids that
+    outlived it. The caller reaps its own child, the group's leader."""
+    deadline = time.monotonic() + timeout
+    while left := group(pgid):
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        if time.monotonic() > deadline:
+            return left
+        time.sleep(0.05)  # the kernel tears them down; polled with a deadline
+    return []
 
 
 def stopped(pid: int) -> bool:

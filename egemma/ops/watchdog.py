@@ -35,7 +35,7 @@ import urllib.error
 import urllib.request
 from typing import Callable
 
-from egemma.ops.procfs import cpu_seconds, group, stopped, stub_pids
+from egemma.ops.procfs import cpu_seconds, kill_group, stopped, stub_pids
 from egemma.serving import health
 from egemma.serving.instance import read_heartbeats
 
@@ -210,12 +210,8 @@ class Watchdog:
         except ProcessLookupError:
             pass
         s.proc.wait()
-        deadline = time.monotonic() + timeout
-        while left := group(s.proc.pid):
-            if time.monotonic() > deadline:
-                self.log(f"processes {left} of the old server's group outlived SIGKILL for {timeout:g}s")
-                return
-            time.sleep(0.05)  # the kernel tears them down; polled with a deadline
+        if left := kill_group(s.proc.pid, timeout):
+            self.log(f"processes {left} of the old server's group outlived SIGKILL for {timeout:g}s")
 
     def stop(self, timeout: float | None = None):
         """Stop watching, then stop the server gracefully (SIGTERM drains in-flight requests; TritonServer.stop)."""

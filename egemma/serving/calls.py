@@ -4,13 +4,14 @@ the ensemble, token ids straight to the encoder, texts through the tokenizer mod
 from __future__ import annotations
 
 import asyncio
-import os
 from dataclasses import dataclass
 
 import numpy as np
 import tritonclient.grpc as grpcclient
 from aiohttp import web
 from tritonclient.utils import InferenceServerException
+
+from egemma.serving.triton import triton_params
 
 ENSEMBLE, ENCODER, TOKENIZER = "embeddinggemma", "embeddinggemma_encoder", "embeddinggemma_tokenizer"
 MAX_INPUTS = 2048  # inputs per HTTP request (OpenAI's own limit); the gateway splits them into calls of max_batch
@@ -153,8 +154,8 @@ async def _load_facts(gw) -> Facts:
         enc = (await gw.grpc.get_model_config(ENCODER, as_json=True))["config"]
     except InferenceServerException as e:
         raise BackendError("unavailable", f"cannot read the model configs from Triton: {e.message()}") from None
-    tp = {k: v.get("string_value", "") for k, v in tok.get("parameters", {}).items()}
-    ep = {k: v.get("string_value", "") for k, v in enc.get("parameters", {}).items()}
-    cfg = ModelConfig.load(tp.get("checkpoint") or os.environ.get("EMBEDDINGGEMMA_PATH", ""))
+    checkpoint, tp = triton_params(tok)
+    _, ep = triton_params(enc)
+    cfg = ModelConfig.load(checkpoint)
     instances = sum(int(g.get("count", 1)) for g in tok.get("instance_group", [])) or 1
     return Facts(cfg, tp.get("tokenizer_json", ""), ep, instances, int(enc.get("max_batch_size", 0)))

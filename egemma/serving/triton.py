@@ -16,10 +16,11 @@ log = logging.getLogger("egemma")
 CLIENT_ERRORS = (OptionError, PromptError)  # the request is at fault: INVALID_ARG with the message
 
 
-def triton_params(model_config_json: str) -> tuple[str, dict[str, str]]:
-    """(checkpoint, other non-empty string parameters) of a Triton model config. An empty checkpoint parameter
-    falls back to $EMBEDDINGGEMMA_PATH, read once here at load."""
-    cfg = json.loads(model_config_json)
+def triton_params(model_config: str | dict) -> tuple[str, dict[str, str]]:
+    """(checkpoint, other non-empty string parameters) of a Triton model config (its JSON, as a model's
+    initialize gets it, or parsed, as the gRPC API returns it). An empty checkpoint parameter falls back to
+    $EMBEDDINGGEMMA_PATH, read once here at load."""
+    cfg = json.loads(model_config) if isinstance(model_config, str) else model_config
     params = {k: v.get("string_value", "") for k, v in cfg.get("parameters", {}).items()}
     ckpt = params.pop("checkpoint", "") or os.environ.get("EMBEDDINGGEMMA_PATH", "")
     if not ckpt:
