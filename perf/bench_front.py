@@ -1,5 +1,6 @@
 """What the HTTP front (egemma.serving.gateway) costs, on the GPU host: one ~16-token query over HTTP, direct to
-Triton's own HTTP and through the gateway, interleaved on one server (a keep-alive http.client connection each);
+Triton's own HTTP, through the gateway's fast lane and through its aiohttp path (a percent-escape in the query
+string, which the lane hands over), interleaved on one server (a keep-alive http.client connection each);
 and the largest request the server takes (64 texts x 1 MB, over gRPC: over HTTP it is a 413) with its time split
 across the models (Triton's statistics).
 
@@ -10,7 +11,6 @@ tritonclient.http (the GPU host has none)."""
 import argparse
 import http.client
 import json
-import os
 import random
 import statistics
 import sys
@@ -26,20 +26,19 @@ from bench_serve import make_text, model_stats, prose, stats_delta  # noqa: E402
 from egemma.engine.config import ModelConfig  # noqa: E402
 from egemma.engine.tokenizer import TextTokenizer  # noqa: E402
 from egemma.ops.front import Front  # noqa: E402
-from egemma.ops.procfs import stat  # noqa: E402
 from egemma.ops.tritonserver import TritonServer, free_port  # noqa: E402
 
 INFER = "/v2/models/embeddinggemma/infer"
 
 
 def cpu_s(pid: int) -> float:
-    s = stat(pid)
-    return (int(s[11]) + int(s[12])) / os.sysconf("SC_CLK_TCK")
+    """CPU seconds of pid's main thread (the gateway's event loop), to the nanosecond (schedstat)."""
+    return int(Path(f"/proc/{pid}/schedstat").read_text().split()[0]) / 1e9
 
 
-def one_query(conn: http.client.HTTPConnection, body: bytes) -> float:
+def one_query(conn: http.client.HTTPConnection, body: bytes, target: str = INFER) -> float:
     t0 = time.perf_counter()
-    conn.request("POST", INFER, body, {"Content-Type": "application/json"})
+    conn.request("POST", target, body, {"Content-Type": "application/json"})
     r = conn.getresponse()
     data = r.read()
     dt = time.perf_counter() - t0
@@ -56,19 +55,24 @@ def ms(xs: list[float]) -> dict:
 def query_latency(server, front, query: str, n: int) -> dict:
     body = json.dumps({"inputs": [{"name": "TEXT", "shape": [1, 1], "datatype": "BYTES", "data": [query]}]}).encode()
     conns = {"direct": http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=60),
-             "gateway": http.client.HTTPConnection("127.0.0.1", front.port, timeout=60)}
-    for c in conns.values():  # warm-up: connections, the gateway's pool, the models
+             "gateway": http.client.HTTPConnection("127.0.0.1", front.port, timeout=60),
+             "aiohttp": http.client.HTTPConnection("127.0.0.1", front.port, timeout=60)}
+    targets = {"direct": INFER, "gateway": INFER, "aiohttp": INFER + "?via=%61iohttp"}
+    for k, c in conns.items():  # warm-up: connections, the gateway's pool, the models
         for _ in range(200):
-            one_query(c, body)
-    times = {k: [] for k in conns}
-    cpu0 = cpu_s(front.proc.pid)
+            one_query(c, body, targets[k])
+    times, cpu = {k: [] for k in conns}, {"gateway": 0.0, "aiohttp": 0.0}
+    order = list(conns)
     for i in range(n):
-        for k in (("direct", "gateway") if i % 2 else ("gateway", "direct")):
-            times[k].append(one_query(conns[k], body))
-    gateway_cpu = (cpu_s(front.proc.pid) - cpu0) / n
+        for k in order[i % 3:] + order[:i % 3]:
+            c0 = cpu_s(front.proc.pid) if k in cpu else 0.0
+            times[k].append(one_query(conns[k], body, targets[k]))
+            if k in cpu:
+                cpu[k] += cpu_s(front.proc.pid) - c0
     out = {k: ms(v) for k, v in times.items()}
-    out["added_p50_ms"] = out["gateway"]["p50_ms"] - out["direct"]["p50_ms"]
-    out["gateway_cpu_ms_per_request"] = 1e3 * gateway_cpu
+    for k in cpu:
+        out[f"{k}_added_p50_ms"] = out[k]["p50_ms"] - out["direct"]["p50_ms"]
+        out[f"{k}_cpu_ms_per_request"] = 1e3 * cpu[k] / n
     return out
 
 
@@ -121,10 +125,11 @@ def main():
             res["query"] = query_latency(s, front, query, a.n)
             q = res["query"]
             print(f"one {res['query_tokens']}-token query over HTTP, {a.n} each, interleaved:")
-            for k in ("direct", "gateway"):
-                print(f"  {k:8s} p50 {q[k]['p50_ms']:.3f} ms  p99 {q[k]['p99_ms']:.3f} ms  mean {q[k]['mean_ms']:.3f} ms")
-            print(f"  added by the gateway: p50 {q['added_p50_ms']:+.3f} ms; its CPU "
-                  f"{q['gateway_cpu_ms_per_request']:.3f} ms per request", flush=True)
+            for k in ("direct", "gateway", "aiohttp"):
+                added = f"  added p50 {q[f'{k}_added_p50_ms']:+.3f} ms, gateway CPU " \
+                        f"{q[f'{k}_cpu_ms_per_request']:.3f} ms per request" if k != "direct" else ""
+                print(f"  {k:8s} p50 {q[k]['p50_ms']:.3f} ms  p99 {q[k]['p99_ms']:.3f} ms  mean {q[k]['mean_ms']:.3f} ms"
+                      + added, flush=True)
         finally:
             front.stop()
         res["largest"] = big_res = largest_request(s, big, a.big_runs)

@@ -98,7 +98,12 @@ def open_fds(pid: int) -> int:
 def tcp_connections(pid: int, port: int | None = None) -> int:
     """TCP sockets pid holds (listening ones included); with port, only the connections it accepted on that port
     (its own pooled connections to Triton come and go on their own)."""
-    inodes = {os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            inodes.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except FileNotFoundError:  # closed since the listing (e.g. a pooled connection to Triton)
+            pass
     n = 0
     for f in ("/proc/net/tcp", "/proc/net/tcp6"):
         for line in Path(f).read_text().splitlines()[1:]:

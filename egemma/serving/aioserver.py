@@ -17,6 +17,9 @@ _BUSY = (f"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\
          "Connection: close\r\n\r\n").encode() + _BUSY
 
 
+SHUTDOWN_TIMEOUT = 10.0  # s for in-flight requests to finish on SIGTERM
+
+
 class _Refuse(asyncio.Protocol):
     """A connection over max_connections: a 503 and closed, without a request handler."""
 
@@ -26,9 +29,10 @@ class _Refuse(asyncio.Protocol):
 
 
 async def serve(app: web.Application, socks: list[socket.socket], max_connections=1024, idle_timeout=60.0,
-                workers=()):
+                workers=(), lanes=None):
     """Serve app on listening sockets until SIGTERM / SIGINT, then drain (in-flight requests finish).
-    workers: pids of sibling processes this one started; when one dies, all stop (the launcher restarts them)."""
+    workers: pids of sibling processes this one started; when one dies, all stop (the launcher restarts them).
+    lanes: an egemma.serving.fastlane.Lanes that takes every connection first (handing it to app when it must)."""
     loop = asyncio.get_running_loop()
     stop, failed = asyncio.Event(), []
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -46,13 +50,18 @@ async def serve(app: web.Application, socks: list[socket.socket], max_connection
     for pid in workers:  # a worker's exit wakes this loop through a pidfd (uvloop keeps SIGCHLD to itself)
         fd = os.pidfd_open(pid)
         loop.add_reader(fd, exited, pid, fd)
-    runner = web.AppRunner(app, access_log=None, keepalive_timeout=idle_timeout, shutdown_timeout=10,
+    runner = web.AppRunner(app, access_log=None, keepalive_timeout=idle_timeout, shutdown_timeout=SHUTDOWN_TIMEOUT,
                            max_line_size=8190, max_field_size=8190, max_headers=128)
     await runner.setup()
     handlers = runner.server
-    servers = [await loop.create_server(
-        lambda: handlers() if len(handlers.connections) < max_connections else _Refuse(), sock=s, backlog=1024)
-        for s in socks]
+    first = handlers
+    if lanes is not None:
+        lanes.handlers, first = handlers, lanes.protocol
+
+    def connection():
+        n = len(handlers.connections) + (len(lanes.open) if lanes is not None else 0)
+        return first() if n < max_connections else _Refuse()
+    servers = [await loop.create_server(connection, sock=s, backlog=1024) for s in socks]
     await stop.wait()
     for s in servers:
         s.close()
@@ -61,6 +70,8 @@ async def serve(app: web.Application, socks: list[socket.socket], max_connection
             os.kill(pid, signal.SIGTERM)
         except ProcessLookupError:
             pass
+    if lanes is not None:
+        await lanes.drain(SHUTDOWN_TIMEOUT)
     await runner.cleanup()
     if failed:
         raise SystemExit("; ".join(failed))

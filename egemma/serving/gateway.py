@@ -1,6 +1,7 @@
-"""The server's HTTP front: one asyncio (aiohttp) process on the user-facing HTTP port(s) that proxies the KServe v2
-routes to Triton's own HTTP on a loopback port, every request bounded before it reaches Triton, and serves the
-OpenAI and TEI routes (egemma.serving.openai_api, egemma.serving.tei_api) over one shared aio gRPC client.
+"""The server's HTTP front: one asyncio process on the user-facing HTTP port(s) that proxies the KServe v2 routes to
+Triton's own HTTP on a loopback port, every request bounded before it reaches Triton, and serves the OpenAI and TEI
+routes (egemma.serving.openai_api, egemma.serving.tei_api) over one shared aio gRPC client. Plain KServe requests
+take the fast lane (egemma.serving.fastlane); the rest, and every route below, aiohttp.
 
   python -m egemma.serving.gateway --port 8000 [--port 8080 ...] --triton-http 127.0.0.1:P --triton-grpc 127.0.0.1:Q
       [--host 127.0.0.1] [--max-request-bytes 3145728] [--workers 1] [--model-name google/embeddinggemma-300m]
@@ -45,6 +46,7 @@ from aiohttp import web
 
 from egemma.serving import health
 from egemma.serving.aioserver import event_loop_runner, exit_with_parent, listen, serve
+from egemma.serving.fastlane import Lanes
 from egemma.serving.guard import Rejected, check_kserve, error, read_body, too_large
 from egemma.serving.upstream import Upstream, UpstreamError
 
@@ -81,7 +83,7 @@ async def proxy(request: web.Request) -> web.Response:
         if request.body_exists:
             body = await read_body(request, gw)  # inflated: it goes on plain
             if request.method == "POST":
-                check_kserve(request, body)
+                check_kserve(request.path, request.headers.get("Inference-Header-Content-Length"), body)
     except Rejected as e:
         return error(e.status, str(e))
     try:
@@ -197,14 +199,14 @@ def main(argv=None):
     for _ in range(a.workers - 1):
         if (pid := os.fork()) == 0:
             exit_with_parent(os.getppid())
-            run(serve(make_app(gw), socks, max_connections, a.idle_timeout))
+            run(serve(make_app(gw), socks, max_connections, a.idle_timeout, lanes=Lanes(gw, a.idle_timeout)))
             os._exit(0)
         workers.append(pid)
     print(f"gateway: {', '.join(f'http://{a.host}:{p}' for p in a.port)} -> Triton HTTP {a.triton_http}, gRPC "
           f"{a.triton_grpc}; max request {a.max_request_bytes} bytes; {a.workers} worker(s) of at most "
           f"{max_connections} connections on {loop}",
           file=sys.stderr, flush=True)
-    run(serve(make_app(gw), socks, max_connections, a.idle_timeout, tuple(workers)))
+    run(serve(make_app(gw), socks, max_connections, a.idle_timeout, tuple(workers), Lanes(gw, a.idle_timeout)))
     for pid in workers:  # draining too (serve() sent them SIGTERM)
         try:
             os.waitpid(pid, 0)

@@ -21,9 +21,13 @@ class Rejected(Exception):
         self.status = status
 
 
+def error_body(message: str) -> tuple[dict[str, str], bytes]:
+    """Triton's own error shape: ({lower-case header: value}, body)."""
+    return {"content-type": "application/json"}, json.dumps({"error": message}).encode()
+
+
 def error(status: int, message: str) -> web.Response:
-    """Triton's own error shape."""
-    return web.json_response({"error": message}, status=status)
+    return web.Response(status=status, body=error_body(message)[1], content_type="application/json")
 
 
 def too_large(gw, size: str) -> Rejected:
@@ -74,6 +78,9 @@ def _no_duplicates(pairs):
     return d
 
 
+_DECODER = json.JSONDecoder(strict=False, object_pairs_hook=_no_duplicates)
+
+
 def check_inputs(req, json_len: int):
     """Shapes Triton 2.51 mishandles: it allocates (product of dims) x element size for an input whose data is in
     the JSON before reading it, and reads dims as uint64 into int64."""
@@ -93,11 +100,11 @@ def check_inputs(req, json_len: int):
                                 "JSON request can carry")
 
 
-def check_kserve(request: web.Request, body: bytes) -> None:
-    """Rejected for a body Triton cannot be trusted with (the module docstring lists them)."""
-    n = request.headers.get("Inference-Header-Content-Length")
+def check_kserve(path: str, n: str | None, body: bytes) -> None:
+    """Rejected for a POST body to path (decoded, no query) that Triton cannot be trusted with (the module docstring
+    lists them); n: its Inference-Header-Content-Length header."""
     if n is not None:
-        if not n.strip().isdigit() or int(n) > len(body):
+        if not (n.strip().isascii() and n.strip().isdigit()) or int(n) > len(body):
             raise Rejected(400, f"Inference-Header-Content-Length must be a byte count within the {len(body)}-byte "
                                 f"body, got {n!r}")
         if int(n) == 0:
@@ -107,9 +114,9 @@ def check_kserve(request: web.Request, body: bytes) -> None:
         head = body
     if json_depth(head) > MAX_JSON_DEPTH:
         raise Rejected(400, f"request JSON is nested deeper than {MAX_JSON_DEPTH} levels")
-    if request.path.endswith("/infer"):
+    if path.endswith("/infer"):
         try:
-            req = json.loads(head.decode("utf-8", "surrogateescape"), strict=False, object_pairs_hook=_no_duplicates)
+            req = _DECODER.decode(head.decode("utf-8", "surrogateescape"))
         except (ValueError, RecursionError) as e:
             raise Rejected(400, f"request JSON is not valid: {e}") from None
         check_inputs(req, len(head))

@@ -1,9 +1,14 @@
 """A lean pooled HTTP/1.1 client for the gateway's one upstream, Triton's own HTTP on loopback: keep-alive
 connections reused one request at a time, Content-Length and chunked answers. aiohttp's client spends ~4x the CPU
-per request here, and this is the path whose added latency the front must keep small (perf/bench_front.py)."""
+per request here, and this is the path whose added latency the front must keep small (perf/bench_front.py): send()
+takes a callback (no task, no future, for the fast lane), request() awaits the same."""
 from __future__ import annotations
 
 import asyncio
+import re
+
+_STATUS = re.compile(rb"HTTP/1\.[01] (\d{3})[^\r\n]*\r\n")
+_FIELD = re.compile(rb"([^:\r\n]*):([^\r\n]*)\r\n")
 
 
 class UpstreamError(ConnectionError):
@@ -14,45 +19,45 @@ class _Conn(asyncio.Protocol):
     def __init__(self):
         self.transport = None
         self.buf = bytearray()
-        self.waiter: asyncio.Future | None = None
+        self.callback = None  # of the request in flight: called once with its answer or an UpstreamError
         self.head = None  # (status, headers, header end) of the answer being read
         self.closed = False
         self.got_data = False
+        self.raw = False  # answer (the answer's bytes as sent, headers) instead of (status, headers, body)
 
     def connection_made(self, transport):
         self.transport = transport
 
     def connection_lost(self, exc):
         self.closed = True
-        if self.waiter is not None and not self.waiter.done():
-            self.waiter.set_exception(UpstreamError(f"Triton closed the connection ({exc or 'EOF'})"))
+        self._finish(UpstreamError(f"Triton closed the connection ({exc or 'EOF'})"))
 
     def data_received(self, data):
         self.buf += data
         self.got_data = True
-        if self.waiter is not None and not self.waiter.done():
+        if self.callback is not None:
             try:
                 if (res := self._parse()) is not None:
-                    self.waiter.set_result(res)
+                    self._finish(res)
             except UpstreamError as e:
-                self.waiter.set_exception(e)
                 self.transport.close()
+                self._finish(e)
+
+    def _finish(self, res):
+        if (cb := self.callback) is not None:
+            self.callback = None
+            cb(res)
 
     def _parse(self):
         if self.head is None:
             end = self.buf.find(b"\r\n\r\n")
             if end < 0:
                 return None
-            lines = bytes(self.buf[:end]).decode("latin-1").split("\r\n")
-            try:
-                status = int(lines[0].split(" ", 2)[1])
-            except (IndexError, ValueError):
-                raise UpstreamError(f"not an HTTP answer: {lines[0][:80]!r}") from None
-            headers = {}
-            for line in lines[1:]:
-                k, _, v = line.partition(":")
-                headers[k.strip().lower()] = v.strip()
-            self.head = status, headers, end + 4
+            if (m := _STATUS.match(self.buf)) is None:
+                raise UpstreamError(f"not an HTTP answer: {bytes(self.buf[:80])!r}")
+            headers = {k.strip().lower().decode("latin-1"): v.strip().decode("latin-1")
+                       for k, v in _FIELD.findall(self.buf, m.end(), end + 2)}
+            self.head = int(m.group(1)), headers, end + 4
         status, headers, start = self.head
         if headers.get("transfer-encoding", "").lower() == "chunked":
             body, used = _dechunk(self.buf, start)
@@ -63,18 +68,14 @@ class _Conn(asyncio.Protocol):
             if len(self.buf) < start + n:
                 return None
             body, used = bytes(self.buf[start:start + n]), start + n
+        res = (bytes(self.buf[:used]), headers) if self.raw else (status, headers, body)
         del self.buf[:used]
         self.head = None
-        return status, headers, body
+        return res
 
-    async def roundtrip(self, data: bytes):
-        self.waiter = asyncio.get_running_loop().create_future()
-        self.got_data = False
+    def start(self, data: bytes, callback, raw: bool):
+        self.callback, self.got_data, self.raw = callback, False, raw
         self.transport.write(data)
-        try:
-            return await self.waiter
-        finally:
-            self.waiter = None
 
 
 def _dechunk(buf: bytearray, pos: int):
@@ -98,52 +99,61 @@ def _dechunk(buf: bytearray, pos: int):
 
 
 class Upstream:
-    """request() -> (status, {lower-case header: value}, body) from host:port, over pooled connections."""
+    """send() / request(): (status, {lower-case header: value}, body) from host:port, over pooled connections."""
 
     def __init__(self, address: str, connect_timeout: float = 5.0):
         self.host, port = address.rsplit(":", 1)
         self.port, self.connect_timeout = int(port), connect_timeout
         self.idle: list[_Conn] = []
 
-    async def _connect(self) -> _Conn:
-        loop = asyncio.get_running_loop()
-        _, conn = await asyncio.wait_for(loop.create_connection(_Conn, self.host, self.port), self.connect_timeout)
-        return conn
-
-    async def request(self, method: str, target: str, headers: dict[str, str], body: bytes | None):
+    def send(self, method: str, target: str, headers: dict[str, str], body: bytes | None, done):
+        """done((status, headers, body)) or done(exception: UpstreamError, OSError or TimeoutError), once. An answer
+        nobody waits for any more is still read, and its connection pooled."""
         head = [f"{method} {target} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"]
         head += [f"{k}: {v}\r\n" for k, v in headers.items()]
         if body is not None or method == "POST":
             head.append(f"Content-Length: {len(body or b'')}\r\n")
-        data = "".join(head).encode("utf-8", "surrogateescape") + b"\r\n" + (body or b"")  # bytes as received
-        while True:
-            conn = self._idle()
-            reused = conn is not None
-            conn = conn or await self._connect()
-            try:
-                res = await conn.roundtrip(data)
-            except UpstreamError:
-                conn.transport.close()
-                if reused and not conn.got_data:  # a connection Triton had closed while idle: try another
-                    continue
-                raise
-            except BaseException:  # cancelled: the answer would arrive on a connection nobody reads
-                conn.transport.close()
-                raise
-            return self._done(conn, res)
+        self._send("".join(head).encode("utf-8", "surrogateescape") + b"\r\n" + (body or b""), done, False)
 
-    def _idle(self) -> _Conn | None:
+    async def request(self, method: str, target: str, headers: dict[str, str], body: bytes | None):
+        fut = asyncio.get_running_loop().create_future()
+
+        def done(res):
+            if not fut.done():
+                fut.set_exception(res) if isinstance(res, BaseException) else fut.set_result(res)
+        self.send(method, target, headers, body, done)
+        return await fut
+
+    def send_raw(self, data: bytes, done):
+        """A whole HTTP/1.1 request as the client sent it (the fast lane has checked it); done((the answer's bytes
+        as Triton sent them, {lower-case header: value})) or done(exception), once."""
+        self._send(data, done, True)
+
+    def _send(self, data: bytes, done, raw: bool):
         while self.idle:
-            if not (c := self.idle.pop()).closed:
-                return c
-        return None
+            if not (conn := self.idle.pop()).closed:
+                return conn.start(data, lambda res: self._answered(conn, True, data, res, done, raw), raw)
+        asyncio.ensure_future(self._connect_and_send(data, done, raw))
 
-    def _done(self, conn: _Conn, res):
+    async def _connect_and_send(self, data: bytes, done, raw: bool):
+        loop = asyncio.get_running_loop()
+        try:
+            _, conn = await asyncio.wait_for(loop.create_connection(_Conn, self.host, self.port), self.connect_timeout)
+        except (OSError, asyncio.TimeoutError) as e:
+            return done(e)
+        conn.start(data, lambda res: self._answered(conn, False, data, res, done, raw), raw)
+
+    def _answered(self, conn: _Conn, reused: bool, data: bytes, res, done, raw: bool):
+        if isinstance(res, UpstreamError):
+            conn.transport.close()
+            if reused and not conn.got_data:  # a connection Triton had closed while idle: try another
+                return self._send(data, done, raw)
+            return done(res)
         if res[1].get("connection", "").lower() != "close" and not conn.closed:
             self.idle.append(conn)
         else:
             conn.transport.close()
-        return res
+        done(res)
 
     def close(self):
         for c in self.idle:
