@@ -4,6 +4,7 @@ Triton's own answer, byte for byte (no aiohttp `Server` header), also pipelined;
 connection, which stays correct afterwards; SIGTERM lets the answer in flight out, with `Connection: close`."""
 import gzip
 import json
+import re
 import signal
 import socket
 
@@ -12,7 +13,7 @@ import pytest
 
 from egemma.serving.instance import read_heartbeats
 from helpers import GOOD, assert_close, wait_for
-from rawhttp import INFER, j, read_response, start_front
+from rawhttp import INFER, j, start_front
 
 pytestmark = pytest.mark.usefixtures("still_serving")
 
@@ -35,11 +36,30 @@ def head(path: str, body: bytes | None, **headers) -> bytes:
         b"".join(f"{k}: {v}\r\n".encode() for k, v in h.items()) + b"\r\n" + (body or b"")
 
 
+def answers(s: socket.socket, n: int) -> list[tuple[int, dict, bytes]]:
+    """The next n answers on s, (status, lower-case headers, body) each (pipelined answers may share a read)."""
+    buf, out = b"", []
+    while len(out) < n:
+        end = buf.find(b"\r\n\r\n")
+        if end >= 0:
+            lines = buf[:end].decode("latin-1").split("\r\n")
+            h = {k.strip().lower(): v.strip() for k, _, v in (x.partition(":") for x in lines[1:])}
+            size = end + 4 + int(h.get("content-length", 0))
+            if len(buf) >= size:
+                out.append((int(lines[0].split()[1]), h, buf[end + 4:size]))
+                buf = buf[size:]
+                continue
+        if not (chunk := s.recv(1 << 20)):
+            return out + [(0, {}, b"")] * (n - len(out))
+        buf += chunk
+    return out
+
+
 def exchange(port: int, *requests: bytes) -> list[tuple[int, dict, bytes]]:
     """requests sent in one write on one connection; their answers in order."""
     with socket.create_connection(("127.0.0.1", port), timeout=60) as s:
         s.sendall(b"".join(requests))
-        return [read_response(s) for _ in requests]
+        return answers(s, len(requests))
 
 
 def embedding(body: bytes) -> np.ndarray:
@@ -100,8 +120,43 @@ def test_sigterm_lets_the_answer_in_flight_out(server, tmp_path, good_ref):
         s.sendall(head(INFER, body))
         wait_for(lambda: _busy(server), 60, "the request to reach a model")
         f.proc.send_signal(signal.SIGTERM)
-        code, h, b = read_response(s)
+        (code, h, b), = answers(s, 1)
     assert code == 200 and h.get("connection") == "close", (code, h, b[:200])
     out = np.array(json.loads(b)["outputs"][0]["data"], np.float32).reshape(len(texts), -1)
     assert_close(out[-1:], good_ref[8:9])
     assert f.proc.wait(30) == 0
+
+
+def _rss_mb(pid: int) -> float:
+    return int(re.search(r"VmRSS:\s+(\d+)", open(f"/proc/{pid}/status").read()).group(1)) / 1024
+
+
+def test_a_client_that_pipelines_without_reading_is_stopped_not_buffered(front):
+    """Requests sent and answers never read: the gateway stops reading that connection (our send blocks) instead
+    of holding what comes; its memory stays flat."""
+    rss, sent = _rss_mb(front.proc.pid), 0
+    chunk = head("/v2/models/embeddinggemma/config", None) * 1000
+    with socket.create_connection(("127.0.0.1", front.port), timeout=5) as s:
+        try:
+            while sent < 256 << 20:
+                s.sendall(chunk)
+                sent += len(chunk)
+        except socket.timeout:
+            pass
+        assert sent < 64 << 20, f"the gateway took {sent >> 20} MiB of requests it could not answer"
+        assert _rss_mb(front.proc.pid) - rss < 64, (rss, _rss_mb(front.proc.pid))
+
+
+def test_pipelined_requests_refused_on_the_spot_are_each_answered(front, good_ref):
+    """2000 refused requests between two good ones in one write: 2002 answers in order (the lane loops, it does not
+    recurse), and odd lengths get answers, not a dropped connection."""
+    bad = head(INFER, b"x")
+    got = exchange(front.port, head(INFER, one(GOOD[9])), *[bad] * 2000, head(INFER, one(GOOD[10])))
+    assert [a[0] for a in got] == [200] + [400] * 2000 + [200], {a[0] for a in got}
+    assert_close(np.concatenate([embedding(got[0][2]), embedding(got[-1][2])]), good_ref[9:11])
+    for req, want in ((head(INFER, one(GOOD[11]))
+                       .replace(b"Content-Length: ", b"Content-Length: " + b"0" * 5000), {200}),  # digits: valid
+                      (head(INFER, one(GOOD[11]), **{"Inference-Header-Content-Length": "9" * 5000}), {400}),
+                      (head(INFER, one(GOOD[11])).replace(b"Content-Length: ", b"Content-Length:\t"), {200})):
+        (code, _, b), = exchange(front.port, req)
+        assert code in want, (req[:120], code, b[:200])

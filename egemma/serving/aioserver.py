@@ -70,9 +70,7 @@ async def serve(app: web.Application, socks: list[socket.socket], max_connection
             os.kill(pid, signal.SIGTERM)
         except ProcessLookupError:
             pass
-    if lanes is not None:
-        await lanes.drain(SHUTDOWN_TIMEOUT)
-    await runner.cleanup()
+    await asyncio.gather(runner.cleanup(), *([lanes.drain(SHUTDOWN_TIMEOUT)] if lanes is not None else []))
     if failed:
         raise SystemExit("; ".join(failed))
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import http
+import logging
 import re
 import socket
 
@@ -19,10 +20,13 @@ from egemma.serving.upstream import UpstreamError
 _HEAD_LIMIT = 8192  # longer heads go to aiohttp, which passes Triton only the headers it uses (the lane: all)
 _REQUEST_LINE = re.compile(rb"(GET|POST) (/v2(?:[/?][!-$&-~]{0,8000})?) HTTP/1\.1\r\n")  # '%' goes to aiohttp
 _HEADERS = re.compile(rb"(?:[!#$%&'*+.^_`|~0-9A-Za-z-]+:[\t\x20-\x7e\x80-\xff]*\r\n){0,128}")
-_FIELD = re.compile(rb"([^:]+):[\t ]*(.*?)[\t ]*\r\n")  # on a head _HEADERS has matched
+_FIELD = re.compile(rb"([^:]+): *(.*?)[\t ]*\r\n")  # on a head _HEADERS has matched; Triton skips no tabs
+_CONNECTION = re.compile(rb"\r\nconnection:[^\r]*", re.I)
 _HAND_OVER = {b"transfer-encoding", b"content-encoding", b"expect", b"upgrade"}  # framing aiohttp knows
 _SLOW_PATHS = ("/v2/health/live", "/v2/health/ready")  # the watchdog's verdict: aiohttp's routes
+_PIPELINED = 64 << 10  # bytes of requests read ahead while one is at Triton; past it, reading pauses
 _REASONS = {s.value: s.phrase for s in http.HTTPStatus}
+log = logging.getLogger("egemma.gateway")
 
 
 class Lanes:
@@ -60,8 +64,11 @@ class Lanes:
 class _Lane(asyncio.Protocol):
     def __init__(self, lanes: Lanes):
         self.lanes, self.buf, self.transport = lanes, bytearray(), None
-        self.busy, self.paused, self.timer, self.expires = False, False, None, None
-        self.pending = None  # (method, path, headers, body start, body length): a request awaiting its body
+        self.busy = False  # a request is at Triton: the next one waits (one at a time, answers in order)
+        self.reading_paused = self.writing_paused = self.advancing = self.handed = False
+        self.timer, self.expires = None, None
+        self.pending = None  # (method, path, headers, body start, body length): the request at the buffer's head
+        self.close_after = False
 
     def connection_made(self, transport):
         self.transport = transport
@@ -79,15 +86,39 @@ class _Lane(asyncio.Protocol):
 
     def data_received(self, data):
         self.buf += data
-        if self.busy:
-            if len(self.buf) > self.lanes.gw.max_body + _HEAD_LIMIT and not self.paused:  # pipelining, not reading
-                self.paused = True
-                self.transport.pause_reading()
-        elif self.pending is not None:
-            if len(self.buf) >= self.pending[3] + self.pending[4]:
+        self._advance()
+
+    def pause_writing(self):  # the client is not reading: take no new request until it does
+        self.writing_paused = True
+
+    def resume_writing(self):
+        self.writing_paused = False
+        self._advance()
+
+    def _advance(self):
+        """Serve the requests at the buffer's head, one at a time, while nothing waits (a loop, not recursion:
+        pipelined requests refused on the spot answer synchronously); then let in more bytes only where they
+        can be used (a client pipelining without reading stops being read)."""
+        if self.advancing:
+            return
+        self.advancing = True
+        try:
+            while not (self.busy or self.writing_paused or self.handed or self.transport.is_closing()):
+                if self.pending is None and not self._head():
+                    break
+                if self.handed or len(self.buf) < self.pending[3] + self.pending[4]:
+                    break
                 self._dispatch()
-        else:
-            self._next()
+        except Exception:  # a bug must cost only this connection, never leave it hanging
+            log.exception("fast lane: closing a connection after an unexpected error")
+            self.transport.close()
+        finally:
+            self.advancing = False
+        if not self.handed:
+            pause = (self.busy or self.writing_paused) and len(self.buf) > _PIPELINED
+            if pause != self.reading_paused and not self.transport.is_closing():
+                self.reading_paused = pause
+                self.transport.pause_reading() if pause else self.transport.resume_reading()
 
     def _deadline(self, seconds: float | None):
         """Close the connection unless the next request is complete within seconds (idle, mid-headers or
@@ -109,30 +140,30 @@ class _Lane(asyncio.Protocol):
         else:
             self.transport.close()
 
-    def _next(self):
-        """Serve the request at the head of the buffer if it is complete, else wait for it, or hand over."""
+    def _head(self) -> bool:
+        """Parse the request head at the buffer's start into self.pending: False while it is incomplete, or after
+        handing the connection over."""
         end = self.buf.find(b"\r\n\r\n", 0, _HEAD_LIMIT)
         if end < 0:
             if len(self.buf) >= _HEAD_LIMIT:
                 self._hand_over()
-            return
+            return False
         line = _REQUEST_LINE.match(self.buf)
         if line is None or _HEADERS.fullmatch(self.buf, line.end(), end + 2) is None:
             return self._hand_over()
         fields = _FIELD.findall(self.buf, line.end(), end + 2)
         headers = {k.lower(): v for k, v in fields}
         n = headers.get(b"content-length", b"0" if line.group(1) == b"GET" else None)
-        if (n is None or not n.isdigit() or n[:1] == b"0" and n != b"0" or int(n) > self.lanes.gw.max_body
-                or len(headers) != len(fields) or not _HAND_OVER.isdisjoint(headers)
+        if (n is None or not n.isdigit() or len(n) > 18 or n[:1] == b"0" and n != b"0"
+                or int(n) > self.lanes.gw.max_body or len(headers) != len(fields)
+                or not _HAND_OVER.isdisjoint(headers)
                 or headers.get(b"connection", b"keep-alive").lower() not in (b"keep-alive", b"close")
                 or (path := line.group(2).split(b"?", 1)[0].decode()) in _SLOW_PATHS):
             return self._hand_over()
-        method, n = line.group(1), int(n)
-        self.pending = method, path, headers, end + 4, n
-        if len(self.buf) >= end + 4 + n:
-            self._dispatch()
-        else:
+        self.pending = line.group(1), path, headers, end + 4, int(n)
+        if len(self.buf) < end + 4 + int(n):
             self._deadline(self.lanes.gw.body_timeout)
+        return True
 
     def _dispatch(self):
         method, path, headers, start, n = self.pending
@@ -141,28 +172,44 @@ class _Lane(asyncio.Protocol):
         self.pending, self.busy = None, True
         self._deadline(None)
         self.close_after = headers.get(b"connection", b"").lower() == b"close"
-        if method == b"POST" and n:
+        if b"connection" in headers:  # ours to keep: Triton's connection stays pooled whatever this client wants
+            request = _CONNECTION.sub(b"", request[:start]) + request[start:]
+            start = request.find(b"\r\n\r\n") + 4
+        if n:  # a GET body too: never trust Triton to ignore it
             try:
-                n = headers.get(b"inference-header-content-length")
-                check_kserve(path, None if n is None else n.decode("latin-1"), request[start:])
+                ihcl = headers.get(b"inference-header-content-length")
+                check_kserve(path, None if ihcl is None else ihcl.decode("latin-1"), request[start:])
             except Rejected as e:
                 return self._answered(e)
         self.lanes.gw.upstream.send_raw(request, self._answered)
 
-    def _hand_over(self):
-        """This connection to aiohttp's handler from here on, with what it has sent."""
+    def _hand_over(self) -> bool:
+        """This connection to aiohttp's handler from here on, with what it has sent; False."""
+        self.handed = True
         self.lanes.gone(self)
         self._deadline(None)
         if self.timer is not None:
             self.timer.cancel()
+        if self.reading_paused:
+            self.transport.resume_reading()
         h = self.lanes.handlers()
         self.transport.set_protocol(h)
         h.connection_made(self.transport)
         if self.buf:
             h.data_received(bytes(self.buf))
+        return False
 
     def _answered(self, res):
         """Triton's answer (its bytes as sent, {lower-case header: value}), or why there is none, to the client."""
+        try:
+            self._write(res)
+        except Exception:
+            log.exception("fast lane: closing a connection after an unexpected error")
+            self.transport.close()
+            return
+        self._advance()
+
+    def _write(self, res):
         if self.transport.is_closing():
             return
         if isinstance(res, BaseException):
@@ -181,12 +228,7 @@ class _Lane(asyncio.Protocol):
             end = data.find(b"\r\n\r\n")
             data = data[:end] + b"\r\nConnection: close" + data[end:]
         self.transport.write(data)
+        self.busy = False
         if close:
             return self.transport.close()
-        self.busy = False
-        if self.paused:
-            self.paused = False
-            self.transport.resume_reading()
         self._deadline(self.lanes.idle_timeout)
-        if self.buf:
-            self._next()

@@ -47,7 +47,7 @@ from aiohttp import web
 from egemma.serving import health
 from egemma.serving.aioserver import event_loop_runner, exit_with_parent, listen, serve
 from egemma.serving.fastlane import Lanes
-from egemma.serving.guard import Rejected, check_kserve, error, read_body, too_large
+from egemma.serving.guard import Rejected, check_kserve, content_length, error, read_body, too_large
 from egemma.serving.upstream import Upstream, UpstreamError
 
 DEFAULT_MAX_BODY = 3 << 20  # under the 4 MiB at which Triton 2.51's HTTP crashes on the GPU host
@@ -82,7 +82,7 @@ async def proxy(request: web.Request) -> web.Response:
     try:
         if request.body_exists:
             body = await read_body(request, gw)  # inflated: it goes on plain
-            if request.method == "POST":
+            if body:  # a GET body too: never trust Triton to ignore it
                 check_kserve(request.path, request.headers.get("Inference-Header-Content-Length"), body)
     except Rejected as e:
         return error(e.status, str(e))
@@ -99,8 +99,8 @@ async def proxy(request: web.Request) -> web.Response:
 async def _expect(request: web.Request):
     """Expect: 100-continue: an oversize body is refused before the client sends it."""
     gw: Gateway = request.app[_GW]
-    if (request.content_length or 0) > gw.max_body:
-        return error(413, str(too_large(gw, f"of {request.content_length} bytes")))
+    if (n := content_length(request) or 0) > gw.max_body:
+        return error(413, str(too_large(gw, f"of {n} bytes")))
     if request.headers.get("Expect", "").lower() == "100-continue":
         request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
     return None

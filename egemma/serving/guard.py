@@ -36,6 +36,13 @@ def too_large(gw, size: str) -> Rejected:
                          f"{gw.triton_grpc.rsplit(':', 1)[-1]}), which takes them")
 
 
+def content_length(request: web.Request) -> int | None:
+    """aiohttp's request.content_length without its int() of the raw header, which raises past 4300 digits: the
+    parser has checked the digits and the value, but leading zeros may be any number."""
+    n = request.headers.get("Content-Length")
+    return None if n is None else int(n.strip().lstrip("0") or "0")
+
+
 async def read_body(request: web.Request, gw) -> bytes:
     """The whole body, at most gw.max_body bytes, else Rejected(413) before more than that is read. aiohttp
     inflates gzip / deflate bodies as they arrive: the limit holds for the inflated body (a 3 MiB gzip body can
@@ -43,7 +50,7 @@ async def read_body(request: web.Request, gw) -> bytes:
     encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
     if encoding not in ("identity", "gzip", "deflate"):
         raise Rejected(415, f"Content-Encoding {encoding!r} is not supported (gzip, deflate)")
-    n = request.content_length
+    n = content_length(request)
     if n is not None and n > gw.max_body:
         raise too_large(gw, f"of {n} bytes")
     buf = bytearray()
@@ -101,10 +108,11 @@ def check_inputs(req, json_len: int):
 
 
 def check_kserve(path: str, n: str | None, body: bytes) -> None:
-    """Rejected for a POST body to path (decoded, no query) that Triton cannot be trusted with (the module docstring
+    """Rejected for a request body to path (decoded, no query) that Triton cannot be trusted with (the module docstring
     lists them); n: its Inference-Header-Content-Length header."""
     if n is not None:
-        if not (n.strip().isascii() and n.strip().isdigit()) or int(n) > len(body):
+        n = n.strip(" \t")
+        if not (n.isascii() and n.isdigit() and len(n) <= 18) or int(n) > len(body):
             raise Rejected(400, f"Inference-Header-Content-Length must be a byte count within the {len(body)}-byte "
                                 f"body, got {n!r}")
         if int(n) == 0:

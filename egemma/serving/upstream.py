@@ -35,7 +35,9 @@ class _Conn(asyncio.Protocol):
     def data_received(self, data):
         self.buf += data
         self.got_data = True
-        if self.callback is not None:
+        if self.callback is None:  # bytes nobody asked for must not reach the next request's client
+            self.transport.close()
+        else:
             try:
                 if (res := self._parse()) is not None:
                     self._finish(res)
@@ -149,7 +151,7 @@ class Upstream:
             if reused and not conn.got_data:  # a connection Triton had closed while idle: try another
                 return self._send(data, done, raw)
             return done(res)
-        if res[1].get("connection", "").lower() != "close" and not conn.closed:
+        if res[1].get("connection", "").lower() != "close" and not conn.closed and not conn.buf:
             self.idle.append(conn)
         else:
             conn.transport.close()
