@@ -68,6 +68,8 @@ class GraphRunner:
     def _capture(self) -> float:
         """Every graph, largest first so that the smaller ones reuse its memory pool; returns the seconds taken."""
         t0, pool = time.perf_counter(), None
+        dev = self.model.device
+        before = torch.cuda.memory_allocated(dev), torch.cuda.memory_reserved(dev)
         for k in reversed(self.keys):
             self._fill_dummy(k)
             s = torch.cuda.Stream()
@@ -84,8 +86,11 @@ class GraphRunner:
                 log.info("egemma: captured %d/%d CUDA graphs", len(self.graphs), len(self.keys))
         torch.cuda.synchronize()
         took = time.perf_counter() - t0
-        log.info("egemma: %d CUDA graphs captured in %.1fs, GPU memory peak %.2f GiB", len(self.graphs), took,
-                 torch.cuda.max_memory_allocated(self.model.device) / 2 ** 30)
+        gib = 2 ** -30  # what each stage holds, for the per-instance memory budget (perf/RESULTS.md, issue #12)
+        log.info("egemma: %d CUDA graphs captured in %.1fs; GPU memory allocated %.2f -> %.2f GiB, reserved %.2f -> "
+                 "%.2f GiB, peak %.2f GiB", len(self.graphs), took, before[0] * gib,
+                 torch.cuda.memory_allocated(dev) * gib, before[1] * gib, torch.cuda.memory_reserved(dev) * gib,
+                 torch.cuda.max_memory_allocated(dev) * gib)
         return took
 
     def _forward(self, key: tuple[int, int]) -> torch.Tensor:
