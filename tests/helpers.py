@@ -15,7 +15,7 @@ import torch
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from egemma.ops.procfs import children, gone
+from egemma.ops.procfs import children
 
 ROOT = Path(__file__).resolve().parent.parent
 TOL = 1e-5  # fp32 on CPU: every served embedding equals sentence-transformers' to this, element by element
@@ -206,8 +206,10 @@ class Launcher:
             self.proc.kill()
             self.proc.wait()
         for p in self.servers:
-            if not gone(p):
+            try:
                 os.killpg(p, signal.SIGKILL)
+            except ProcessLookupError:  # the group is gone already
+                pass
         for f in self._files:
             f.close()
 

@@ -7,6 +7,7 @@ import json
 import re
 import signal
 import socket
+import time
 
 import numpy as np
 import pytest
@@ -106,19 +107,20 @@ def test_a_connection_the_lane_hands_to_aiohttp_keeps_serving(front, good_ref):
     assert code == 200 and "aiohttp" in h.get("server", ""), h
 
 
-def _busy(server) -> bool:
-    """Whether a model instance is inside execute (its heartbeat's start after its end)."""
-    return any(begin > end for begin, end, _, _ in read_heartbeats(server.heartbeat_dir).values())
+def _busy(server, since: float) -> bool:
+    """Whether a model instance is inside an execute that began after since (time.monotonic, as the stamps)."""
+    return any(begin > max(end, since) for begin, end, _, _ in read_heartbeats(server.heartbeat_dir).values())
 
 
 def test_sigterm_lets_the_answer_in_flight_out(server, tmp_path, good_ref):
     f = start_front(server, tmp_path / "front.log")
-    texts = [(" ".join(GOOD) + " ") * 12] * 7 + [GOOD[8]]  # ~3 s on the CPU box: in flight for a while
+    texts = [(" ".join(GOOD) + " ") * 12] * 3 + [GOOD[8]]  # ~1.5 s on the CPU box, under the 10 s drain
     body = j({"inputs": [{"name": "TEXT", "shape": [len(texts), 1], "datatype": "BYTES", "data": texts}],
               "outputs": [{"name": "EMBEDDING"}]})
     with socket.create_connection(("127.0.0.1", f.port), timeout=120) as s:
+        sent = time.monotonic()
         s.sendall(head(INFER, body))
-        wait_for(lambda: _busy(server), 60, "the request to reach a model")
+        wait_for(lambda: _busy(server, sent), 60, "the request to reach a model")
         f.proc.send_signal(signal.SIGTERM)
         (code, h, b), = answers(s, 1)
     assert code == 200 and h.get("connection") == "close", (code, h, b[:200])

@@ -89,7 +89,8 @@ def main(argv=None):
     params = dict(p.split("=", 1) for p in a.param)
     instances = {m: int(n) for m, n in (p.split("=", 1) for p in a.instances)}
     key = a.admin_key or secrets.token_urlsafe(16)
-    internal = a.triton_http_port or free_port()  # one port for every restart: the gateway's upstream
+    # one port for every restart (the gateway's upstream), none of those asked for
+    internal = a.triton_http_port or free_port(avoid={a.http_port, a.grpc_port, a.metrics_port, a.openai_port})
 
     def start():
         return TritonServer(ckpt, a.host, internal, a.grpc_port, a.metrics_port, a.run_dir, params,

@@ -58,10 +58,19 @@ def find_tritonserver() -> tuple[Path, Path]:
     return d / "bin" / "tritonserver", d / "backends"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+_GIVEN: set[int] = set()
+
+
+def free_port(avoid=()) -> int:
+    """A port free now, not in avoid and not given out before by this process: bind(0) can return the same port
+    twice while neither caller has bound it yet."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _GIVEN and port not in avoid:
+            _GIVEN.add(port)
+            return port
 
 
 class TritonServer:
