@@ -69,7 +69,8 @@ class GraphRunner:
         """Every graph, largest first so that the smaller ones reuse its memory pool; returns the seconds taken."""
         t0, pool = time.perf_counter(), None
         dev = self.model.device
-        before = torch.cuda.memory_allocated(dev), torch.cuda.memory_reserved(dev)
+        before = (torch.cuda.memory_allocated(dev), torch.cuda.memory_reserved(dev),
+                  torch.cuda.max_memory_allocated(dev))  # the weights, and the kernel choice's leftovers and peak
         for k in reversed(self.keys):
             self._fill_dummy(k)
             s = torch.cuda.Stream()
@@ -88,9 +89,9 @@ class GraphRunner:
         took = time.perf_counter() - t0
         gib = 2 ** -30  # what each stage holds, for the per-instance memory budget (perf/RESULTS.md, issue #12)
         log.info("egemma: %d CUDA graphs captured in %.1fs; GPU memory allocated %.2f -> %.2f GiB, reserved %.2f -> "
-                 "%.2f GiB, peak %.2f GiB", len(self.graphs), took, before[0] * gib,
+                 "%.2f GiB, peak %.2f -> %.2f GiB", len(self.graphs), took, before[0] * gib,
                  torch.cuda.memory_allocated(dev) * gib, before[1] * gib, torch.cuda.memory_reserved(dev) * gib,
-                 torch.cuda.max_memory_allocated(dev) * gib)
+                 before[2] * gib, torch.cuda.max_memory_allocated(dev) * gib)
         return took
 
     def _forward(self, key: tuple[int, int]) -> torch.Tensor:
