@@ -200,7 +200,7 @@ class _Lane(asyncio.Protocol):
         return False
 
     def _answered(self, res):
-        """Triton's answer (its bytes as sent, {lower-case header: value}), or why there is none, to the client."""
+        """Triton's answer (as Upstream.send_raw hands it on), or why there is none, to the client."""
         try:
             self._write(res)
         except Exception:
@@ -221,8 +221,8 @@ class _Lane(asyncio.Protocol):
                 status, message = 503, f"Triton is not reachable (restarting?): {type(res).__name__}: {res}"
             h, body = error_body(message)
             res = (f"HTTP/1.1 {status} {_REASONS[status]}\r\nContent-Type: {h['content-type']}\r\n"
-                   f"Content-Length: {len(body)}\r\n\r\n").encode() + body, {}
-        data, h = res
+                   f"Content-Length: {len(body)}\r\n\r\n").encode() + body, status, {}, None
+        data, _, h, _ = res
         close = self.close_after or self.lanes.draining is not None or h.get("connection", "").lower() == "close"
         if close and "connection" not in h:
             end = data.find(b"\r\n\r\n")

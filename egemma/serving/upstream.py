@@ -1,7 +1,8 @@
 """A lean pooled HTTP/1.1 client for the gateway's one upstream, Triton's own HTTP on loopback: keep-alive
 connections reused one request at a time, Content-Length and chunked answers. aiohttp's client spends ~4x the CPU
-per request here, and this is the path whose added latency the front must keep small (perf/bench_front.py): send()
-takes a callback (no task, no future, for the fast lane), request() awaits the same."""
+per request here, and this is the path whose added latency the front must keep small (perf/bench_front.py): a
+connection frames each answer and hands on its bytes as they came (send_raw, for the fast lane: a callback, no task,
+no future); send() and request() split them into status, headers and body."""
 from __future__ import annotations
 
 import asyncio
@@ -23,7 +24,6 @@ class _Conn(asyncio.Protocol):
         self.head = None  # (status, headers, header end) of the answer being read
         self.closed = False
         self.got_data = False
-        self.raw = False  # answer (the answer's bytes as sent, headers) instead of (status, headers, body)
 
     def connection_made(self, transport):
         self.transport = transport
@@ -61,47 +61,61 @@ class _Conn(asyncio.Protocol):
                        for k, v in _FIELD.findall(self.buf, m.end(), end + 2)}
             self.head = int(m.group(1)), headers, end + 4
         status, headers, start = self.head
-        if headers.get("transfer-encoding", "").lower() == "chunked":
-            body, used = _dechunk(self.buf, start)
-            if body is None:
+        if _chunked(headers):
+            if (chunks := _chunks(self.buf, start)) is None:
                 return None
+            used = chunks[1]
         else:
-            n = int(headers.get("content-length", 0))
-            if len(self.buf) < start + n:
+            used = start + int(headers.get("content-length", 0))
+            if len(self.buf) < used:
                 return None
-            body, used = bytes(self.buf[start:start + n]), start + n
-        res = (bytes(self.buf[:used]), headers) if self.raw else (status, headers, body)
+        res = bytes(self.buf[:used]), status, headers, start
         del self.buf[:used]
         self.head = None
         return res
 
-    def start(self, data: bytes, callback, raw: bool):
-        self.callback, self.got_data, self.raw = callback, False, raw
+    def start(self, data: bytes, callback):
+        self.callback, self.got_data = callback, False
         self.transport.write(data)
 
 
-def _dechunk(buf: bytearray, pos: int):
-    """(body, bytes used) of a complete chunked body starting at pos, (None, 0) while incomplete."""
-    out = bytearray()
+def _chunked(headers: dict[str, str]) -> bool:
+    return headers.get("transfer-encoding", "").lower() == "chunked"
+
+
+def _chunks(buf, pos: int) -> tuple[list[tuple[int, int]], int] | None:
+    """([start, end) of each chunk's data, bytes used) of a complete chunked body starting at pos; None while
+    incomplete."""
+    spans = []
     while True:
         eol = buf.find(b"\r\n", pos)
         if eol < 0:
-            return None, 0
+            return None
         try:
             n = int(bytes(buf[pos:eol]).split(b";")[0], 16)
         except ValueError:
             raise UpstreamError("bad chunk size from Triton") from None
         if n == 0:
             end = buf.find(b"\r\n\r\n", eol)  # trailers, then the blank line
-            return (bytes(out), end + 4) if end >= 0 else (None, 0)
+            return (spans, end + 4) if end >= 0 else None
         if len(buf) < eol + 2 + n + 2:
-            return None, 0
-        out += buf[eol + 2:eol + 2 + n]
+            return None
+        spans.append((eol + 2, eol + 2 + n))
         pos = eol + 2 + n + 2
 
 
+def _split(answer):
+    """(status, headers, body) of an answer as a connection hands it on, or the exception it is."""
+    if isinstance(answer, BaseException):
+        return answer
+    raw, status, headers, start = answer
+    body = b"".join(raw[a:b] for a, b in _chunks(raw, start)[0]) if _chunked(headers) else raw[start:]
+    return status, headers, body
+
+
 class Upstream:
-    """send() / request(): (status, {lower-case header: value}, body) from host:port, over pooled connections."""
+    """send() / request(): (status, {lower-case header: value}, body) from host:port, over pooled connections;
+    send_raw(): the answer as it came."""
 
     def __init__(self, address: str, connect_timeout: float = 5.0):
         self.host, port = address.rsplit(":", 1)
@@ -115,7 +129,8 @@ class Upstream:
         head += [f"{k}: {v}\r\n" for k, v in headers.items()]
         if body is not None or method == "POST":
             head.append(f"Content-Length: {len(body or b'')}\r\n")
-        self._send("".join(head).encode("utf-8", "surrogateescape") + b"\r\n" + (body or b""), done, False)
+        data = "".join(head).encode("utf-8", "surrogateescape") + b"\r\n" + (body or b"")  # bytes as received
+        self._send(data, lambda answer: done(_split(answer)))
 
     async def request(self, method: str, target: str, headers: dict[str, str], body: bytes | None):
         fut = asyncio.get_running_loop().create_future()
@@ -128,30 +143,30 @@ class Upstream:
 
     def send_raw(self, data: bytes, done):
         """A whole HTTP/1.1 request as the client sent it (the fast lane has checked it); done((the answer's bytes
-        as Triton sent them, {lower-case header: value})) or done(exception), once."""
-        self._send(data, done, True)
+        as Triton sent them, status, {lower-case header: value}, where its body starts)) or done(exception), once."""
+        self._send(data, done)
 
-    def _send(self, data: bytes, done, raw: bool):
+    def _send(self, data: bytes, done):
         while self.idle:
             if not (conn := self.idle.pop()).closed:
-                return conn.start(data, lambda res: self._answered(conn, True, data, res, done, raw), raw)
-        asyncio.ensure_future(self._connect_and_send(data, done, raw))
+                return conn.start(data, lambda res: self._answered(conn, True, data, res, done))
+        asyncio.ensure_future(self._connect_and_send(data, done))
 
-    async def _connect_and_send(self, data: bytes, done, raw: bool):
+    async def _connect_and_send(self, data: bytes, done):
         loop = asyncio.get_running_loop()
         try:
             _, conn = await asyncio.wait_for(loop.create_connection(_Conn, self.host, self.port), self.connect_timeout)
         except (OSError, asyncio.TimeoutError) as e:
             return done(e)
-        conn.start(data, lambda res: self._answered(conn, False, data, res, done, raw), raw)
+        conn.start(data, lambda res: self._answered(conn, False, data, res, done))
 
-    def _answered(self, conn: _Conn, reused: bool, data: bytes, res, done, raw: bool):
+    def _answered(self, conn: _Conn, reused: bool, data: bytes, res, done):
         if isinstance(res, UpstreamError):
             conn.transport.close()
             if reused and not conn.got_data:  # a connection Triton had closed while idle: try another
-                return self._send(data, done, raw)
+                return self._send(data, done)
             return done(res)
-        if res[1].get("connection", "").lower() != "close" and not conn.closed and not conn.buf:
+        if res[2].get("connection", "").lower() != "close" and not conn.closed and not conn.buf:
             self.idle.append(conn)
         else:
             conn.transport.close()
