@@ -22,26 +22,32 @@ def request(port: int, method: str = "POST", path: str = INFER, body: bytes = b"
         return read_response(s)
 
 
-def read_response(s: socket.socket) -> tuple[int, dict, bytes]:
-    buf = b""
+def read_responses(s: socket.socket, n: int) -> list[tuple[int, dict, bytes]]:
+    """The next n answers on s in order, (status, lower-case headers, body) each: pipelined answers may share a read.
+    When the connection ends first: the answer being read with what came of its body, or (0, {}, what came)."""
+    buf, out, closed = b"", [], False
     try:
-        while b"\r\n\r\n" not in buf:
-            chunk = s.recv(65536)
-            if not chunk:
-                return 0, {}, buf
-            buf += chunk
-        head, rest = buf.split(b"\r\n\r\n", 1)
-        lines = head.decode("latin-1").split("\r\n")
-        headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
-        n = int(headers.get("content-length", 0))
-        while len(rest) < n:
-            chunk = s.recv(65536)
-            if not chunk:
+        while len(out) < n:
+            end = buf.find(b"\r\n\r\n")
+            if end >= 0:
+                lines = buf[:end].decode("latin-1").split("\r\n")
+                headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+                size = end + 4 + int(headers.get("content-length", 0))
+                if len(buf) >= size or closed:
+                    out.append((int(lines[0].split()[1]), headers, buf[end + 4:size]))
+                    buf = buf[size:]
+                    continue
+            if closed:
                 break
-            rest += chunk
-        return int(lines[0].split()[1]), headers, rest[:n]
+            chunk = s.recv(65536)
+            closed, buf = not chunk, buf + chunk
     except (ConnectionResetError, BrokenPipeError):
-        return 0, {}, buf
+        pass
+    return out + [(0, {}, buf)] * (n - len(out))
+
+
+def read_response(s: socket.socket) -> tuple[int, dict, bytes]:
+    return read_responses(s, 1)[0]
 
 
 def closed_by_peer(s: socket.socket, timeout: float) -> bool:

@@ -14,7 +14,7 @@ import pytest
 
 from egemma.serving.instance import read_heartbeats
 from helpers import GOOD, assert_close, wait_for
-from rawhttp import INFER, j, start_front
+from rawhttp import INFER, j, read_responses, start_front
 
 pytestmark = pytest.mark.usefixtures("still_serving")
 
@@ -37,30 +37,11 @@ def head(path: str, body: bytes | None, **headers) -> bytes:
         b"".join(f"{k}: {v}\r\n".encode() for k, v in h.items()) + b"\r\n" + (body or b"")
 
 
-def answers(s: socket.socket, n: int) -> list[tuple[int, dict, bytes]]:
-    """The next n answers on s, (status, lower-case headers, body) each (pipelined answers may share a read)."""
-    buf, out = b"", []
-    while len(out) < n:
-        end = buf.find(b"\r\n\r\n")
-        if end >= 0:
-            lines = buf[:end].decode("latin-1").split("\r\n")
-            h = {k.strip().lower(): v.strip() for k, _, v in (x.partition(":") for x in lines[1:])}
-            size = end + 4 + int(h.get("content-length", 0))
-            if len(buf) >= size:
-                out.append((int(lines[0].split()[1]), h, buf[end + 4:size]))
-                buf = buf[size:]
-                continue
-        if not (chunk := s.recv(1 << 20)):
-            return out + [(0, {}, b"")] * (n - len(out))
-        buf += chunk
-    return out
-
-
 def exchange(port: int, *requests: bytes) -> list[tuple[int, dict, bytes]]:
     """requests sent in one write on one connection; their answers in order."""
     with socket.create_connection(("127.0.0.1", port), timeout=60) as s:
         s.sendall(b"".join(requests))
-        return answers(s, len(requests))
+        return read_responses(s, len(requests))
 
 
 def embedding(body: bytes) -> np.ndarray:
@@ -122,7 +103,7 @@ def test_sigterm_lets_the_answer_in_flight_out(server, tmp_path, good_ref):
         s.sendall(head(INFER, body))
         wait_for(lambda: _busy(server, sent), 60, "the request to reach a model")
         f.proc.send_signal(signal.SIGTERM)
-        (code, h, b), = answers(s, 1)
+        (code, h, b), = read_responses(s, 1)
     assert code == 200 and h.get("connection") == "close", (code, h, b[:200])
     out = np.array(json.loads(b)["outputs"][0]["data"], np.float32).reshape(len(texts), -1)
     assert_close(out[-1:], good_ref[8:9])
