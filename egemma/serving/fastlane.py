@@ -79,8 +79,11 @@ class _Lane(asyncio.Protocol):
         self._deadline(self.lanes.idle_timeout)
 
     def connection_lost(self, exc):
+        self._leave()
+
+    def _leave(self):
+        """This lane is done with the connection: no more deadline, not counted."""
         self.lanes.gone(self)
-        self._deadline(None)
         if self.timer is not None:
             self.timer.cancel()
 
@@ -186,10 +189,7 @@ class _Lane(asyncio.Protocol):
     def _hand_over(self) -> bool:
         """This connection to aiohttp's handler from here on, with what it has sent; False."""
         self.handed = True
-        self.lanes.gone(self)
-        self._deadline(None)
-        if self.timer is not None:
-            self.timer.cancel()
+        self._leave()
         if self.reading_paused:
             self.transport.resume_reading()
         h = self.lanes.handlers()
