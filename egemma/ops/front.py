@@ -10,7 +10,7 @@ import time
 import urllib.error
 import urllib.request
 
-from egemma.ops.procfs import kill_group
+from egemma.ops.procfs import kill_group, wait_up
 
 
 class Front:
@@ -26,15 +26,8 @@ class Front:
     def start(self, timeout: float = 60.0) -> "Front":
         self.proc = subprocess.Popen([sys.executable, "-m", "egemma.serving.gateway", *self.args,
                                       f"--exit-with-parent={os.getpid()}"], start_new_session=True)
-        deadline = time.monotonic() + timeout
-        while not self.answers():
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the gateway exited with {self.proc.returncode} before serving; command: "
-                                   f"python -m egemma.serving.gateway {' '.join(self.args)}")
-            if time.monotonic() > deadline:
-                self.kill()
-                raise TimeoutError(f"the gateway did not answer on {self.url} within {timeout:.0f}s")
-            time.sleep(0.1)  # startup polling; the condition is checked above
+        wait_up(self.proc, self.answers, timeout, f"the gateway on {self.url}",
+                f"python -m egemma.serving.gateway {' '.join(self.args)}", self.kill)
         return self
 
     def answers(self) -> bool:

@@ -1,5 +1,5 @@
 """What /proc says about the server's processes: children and their argv, state, resident memory, CPU time.
-One parser of /proc/PID/stat serves them all."""
+One parser of /proc/PID/stat serves them all. And waiting for a started process to come up (wait_up)."""
 from __future__ import annotations
 
 import os
@@ -92,3 +92,16 @@ def cpu_seconds(pid: int, with_children: bool = True) -> float | None:
     kids = children(pid) if with_children else ()
     ticks = int(own[11]) + int(own[12]) + sum(int(s[11]) + int(s[12]) for p in kids if (s := stat(p)))
     return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def wait_up(proc, up, timeout: float, name: str, command: str, give_up, poll: float = 0.1):
+    """Return once up() is true. RuntimeError if proc (a Popen) exits first; past timeout, give_up() and then
+    TimeoutError."""
+    deadline = time.monotonic() + timeout
+    while not up():
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} exited with {proc.returncode} before it was ready; command: {command}")
+        if time.monotonic() > deadline:
+            give_up()
+            raise TimeoutError(f"{name} was not ready within {timeout:.0f}s")
+        time.sleep(poll)  # startup polling; the condition itself is checked above

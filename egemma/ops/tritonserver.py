@@ -12,12 +12,12 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
-import time
 import urllib.request
 from pathlib import Path
 
 from egemma.engine.tokenizer import resolved_tokenizer_json
 from egemma.ops.host import tokenizer_instances, usable_cores
+from egemma.ops.procfs import wait_up
 from egemma.ops.repository import REPO, render_repository
 from egemma.serving.instance import HEARTBEAT_DIR
 
@@ -147,15 +147,7 @@ class TritonServer:
             return False
 
     def wait_ready(self, timeout: float):
-        deadline = time.monotonic() + timeout
-        while not self.ready():
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"tritonserver exited with {self.proc.returncode} before becoming ready; "
-                                   f"command: {' '.join(self.cmd)}")
-            if time.monotonic() > deadline:
-                self.stop()
-                raise TimeoutError(f"tritonserver not ready after {timeout:.0f}s")
-            time.sleep(0.2)  # readiness polling; the condition itself is checked above
+        wait_up(self.proc, self.ready, timeout, "tritonserver", " ".join(self.cmd), self.stop, poll=0.2)
 
     def stop(self, timeout: float | None = None):
         """SIGTERM (Triton stops taking requests and finishes those in flight for up to exit_timeout_secs), then
