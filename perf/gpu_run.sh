@@ -14,6 +14,8 @@
 #   gateway              perf/bench_gateway.py: single texts at c=64 through the gateway's OpenAI route vs gRPC
 #                        (perf_analyzer + an aio driver), gateway workers 1/2/4; needs aiohttp + orjson (+ uvloop):
 #                        carry .gpu/gateway-deps.tar.xz beside the server set; $EGEMMA_GATEWAY_ARGS go to it
+#   memory               perf/memory_engine.py: GPU memory of one engine per stage and variant, with replay times;
+#                        $EGEMMA_MEMORY_ARGS go to it (e.g. --variant NAME:PYTORCH_CUDA_ALLOC_CONF=...,max_tokens=N)
 #   front                perf/bench_front.py: one query over HTTP direct to Triton vs through the gateway (p50/p99,
 #                        interleaved), and the largest request (64 x 1 MB over gRPC) split per model; carry
 #                        .gpu/gateway-deps.tar.xz as for `gateway`; $EGEMMA_FRONT_ARGS go to it
@@ -76,11 +78,16 @@ for step in "$@"; do
       else
         echo "gateway: no aiohttp/orjson on this host: carry .gpu/gateway-deps.tar.xz (activate.sh unpacks it)"
       fi ;;
+    memory)
+      # shellcheck disable=SC2086  # the extra arguments are meant to split on spaces
+      python3 perf/memory_engine.py "$FULL" --out "$OUT/memory.json" ${EGEMMA_MEMORY_ARGS:-} 2>&1 \
+        | tee -a "$OUT/memory.log" | tail -n 12 ;;
     front)
       # shellcheck disable=SC2086  # the extra arguments are meant to split on spaces
       python3 perf/bench_front.py "$FULL" --out /tmp/front ${EGEMMA_FRONT_ARGS:-} 2>&1 | tee "$OUT/bench_front.log" \
         | grep -v "^\[transformers\]" | tail -n 12
-      cp /tmp/front/front.json "$OUT/" 2>/dev/null ;;
+      cp /tmp/front/front.json /tmp/front/server.log "$OUT/" 2>/dev/null
+      grep -h "CUDA graphs captured" /tmp/front/server.log | cut -c1-300 ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
   esac
 done

@@ -71,21 +71,24 @@ class GraphRunner:
         dev = self.model.device
         before = (torch.cuda.memory_allocated(dev), torch.cuda.memory_reserved(dev),
                   torch.cuda.max_memory_allocated(dev))  # the weights, and the kernel choice's leftovers and peak
+        # One side stream for every warm-up and capture: cuBLAS keeps a workspace per stream for good, so a
+        # fresh stream per graph cost tens of MiB each (issue #12's per-instance memory).
+        s = torch.cuda.Stream(dev)
         for k in reversed(self.keys):
             self._fill_dummy(k)
-            s = torch.cuda.Stream()
             s.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(s):
                 self._forward(k)  # warm-up: lazy inits and workspace allocations stay out of the graph
             torch.cuda.current_stream().wait_stream(s)
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool):
+            with torch.cuda.graph(g, pool=pool, stream=s):
                 out = self._forward(k)
             pool = g.pool()
             self.graphs[k] = (g, out)
             if len(self.graphs) % 8 == 0 or len(self.graphs) == len(self.keys):
                 log.info("egemma: captured %d/%d CUDA graphs", len(self.graphs), len(self.keys))
         torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # the kernel choice's and the warm-ups' blocks: only the graphs' pool is used now
         took = time.perf_counter() - t0
         gib = 2 ** -30  # what each stage holds, for the per-instance memory budget (perf/RESULTS.md, issue #12)
         log.info("egemma: %d CUDA graphs captured in %.1fs; GPU memory allocated %.2f -> %.2f GiB, reserved %.2f -> "
