@@ -221,9 +221,12 @@ def run_suite(name, url, metrics_url, model, data, out: Path, log, suite: str):
     name: a file-name-safe tag for the CSV files."""
     families = [k for k in ("w1", "w1_code", "w1_cjk") if k in data] if suite != "sweep" else []
     res = {k: w1(url, metrics_url, model, data[k], out, f"{name}_{k[3:]}" if k != "w1" else name, log) for k in families}
-    res["w2"] = perf_analyzer(url, model, data["w2"], out / f"{name}_w2.csv", ["--concurrency-range", "1"], log)
-    res["w3"] = {}
     stats = grpcclient.InferenceServerClient(url)
+    before = model_stats(stats)
+    res["w2"] = perf_analyzer(url, model, data["w2"], out / f"{name}_w2.csv", ["--concurrency-range", "1"], log)
+    if res["w2"]:  # where one query's time goes, per model (one request per execution: plain durations)
+        res["w2"]["per_model_ms_per_execution"] = stats_delta(before, model_stats(stats))
+    res["w3"] = {}
     for c in {"full": CONCURRENCY, "short": [128, 256], "sweep": [128, 256]}[suite]:
         mon = gpu_util(out / f"{name}_gpu_c{c}.txt") if c == 128 else None
         before, cpu0 = model_stats(stats), cpu_times()
@@ -388,7 +391,7 @@ def summary(results):
     rows = [(f"{k} 8x2048 p50 / p99 ms", lambda r, k=k: f"{f(r.get(k), 'p50_ms')} / {f(r.get(k), 'p99_ms')}")
             for k in ("w1", "w1_code", "w1_cjk")]
     rows += [
-            *((f"{k} tokenizer / encoder infer ms", lambda r, k=k: split(r, k)) for k in ("w1", "w1_code", "w1_cjk")),
+            *((f"{k} tokenizer / encoder infer ms", lambda r, k=k: split(r, k)) for k in ("w1", "w1_code", "w1_cjk", "w2")),
             ("w1 tokenizer execute ms", lambda r: f((r.get("w1") or {}), "tokenizer_execute_ms")),
             ("w2 1 query p50 / p99 ms", lambda r: f"{f(r['w2'], 'p50_ms')} / {f(r['w2'], 'p99_ms')}")]
     for c in CONCURRENCY:
