@@ -40,7 +40,7 @@ def child(checkpoint: str, settings: dict) -> dict:
     r = {"load_s": time.perf_counter() - t0, "graphs": len(eng.graphs.graphs),
          "allocated_gib": torch.cuda.memory_allocated() * gib, "reserved_gib": torch.cuda.memory_reserved() * gib,
          "peak_gib": torch.cuda.max_memory_allocated() * gib, "process_mib": process_mib(),
-         "weights_gib": sum(t.numel() * t.element_size() for t in tensors(eng.model)) * gib}
+         "weights_gib": eng.model.weight_bytes() * gib}
     rng = np.random.default_rng(0)
     for name, (n, L) in {"8x2048": (8, 2048), "1x16": (1, 16)}.items():
         seqs = [rng.integers(4, eng.cfg.vocab_size, L).astype(np.int32) for _ in range(n)]
@@ -58,14 +58,6 @@ def child(checkpoint: str, settings: dict) -> dict:
     torch._C._cuda_clearCublasWorkspaces()  # diagnosis only: the graphs point into them, so nothing runs after
     r["cublas_workspaces_gib"] = (before - torch.cuda.memory_allocated()) * gib
     return r
-
-
-def tensors(model):
-    yield from (model.embed, model.final_norm)
-    for layer in model.layers:
-        yield from (v for v in vars(layer).values() if hasattr(v, "numel"))
-    for w, b in model.head.dense:
-        yield from (w,) if b is None else (w, b)
 
 
 def parse(variant: str) -> tuple[str, dict, dict]:

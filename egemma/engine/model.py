@@ -63,6 +63,13 @@ class Encoder:
                                           cfg.max_positions, self.device) for s in (True, False)}
         self.head = Head(cfg, self.device)
 
+    def weight_bytes(self) -> int:
+        """Bytes of the weights held on the device (the per-instance memory budget: perf/RESULTS.md, issue #12)."""
+        ts = [self.embed, self.final_norm, *(v for L in self.layers for v in vars(L).values()
+                                             if isinstance(v, torch.Tensor)),
+              *(t for w, b in self.head.dense for t in (w, b) if t is not None)]
+        return sum(t.numel() * t.element_size() for t in ts)
+
     def forward(self, b: Packed, ops: Ops, attn: tuple[Callable, Callable]) -> torch.Tensor:
         """Final-normed hidden states [T, D]. attn: (sliding-layer attention, global-layer attention)."""
         c = self.cfg
