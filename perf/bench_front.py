@@ -122,8 +122,8 @@ def main():
                        f"--workers={a.workers}"], f"http://127.0.0.1:{port}")
         front.port = port
         front.start()
-        apps = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,process_name,used_memory", "--format=csv,noheader"],
-                              capture_output=True, text=True).stdout.strip()
+        apps = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,process_name,used_memory",
+                               "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
         res["gpu_memory_per_process"] = apps.splitlines()  # issue #12: each encoder stub's share
         print("GPU memory per process:\n  " + apps.replace("\n", "\n  "))
         try:

@@ -391,7 +391,8 @@ def summary(results):
     rows = [(f"{k} 8x2048 p50 / p99 ms", lambda r, k=k: f"{f(r.get(k), 'p50_ms')} / {f(r.get(k), 'p99_ms')}")
             for k in ("w1", "w1_code", "w1_cjk")]
     rows += [
-            *((f"{k} tokenizer / encoder infer ms", lambda r, k=k: split(r, k)) for k in ("w1", "w1_code", "w1_cjk", "w2")),
+            *((f"{k} tokenizer / encoder infer ms", lambda r, k=k: split(r, k))
+              for k in ("w1", "w1_code", "w1_cjk", "w2")),
             ("w1 tokenizer execute ms", lambda r: f((r.get("w1") or {}), "tokenizer_execute_ms")),
             ("w2 1 query p50 / p99 ms", lambda r: f"{f(r['w2'], 'p50_ms')} / {f(r['w2'], 'p99_ms')}")]
     for c in CONCURRENCY:
