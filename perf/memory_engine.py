@@ -9,12 +9,19 @@ A variant is a name, then comma-separated settings: UPPERCASE=... goes to the en
 EngineConfig. Default: the defaults, expandable_segments, max_tokens 8192."""
 import argparse
 import json
+import logging
 import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
-import numpy as np
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_engine import timed, workloads  # noqa: E402
+
+import torch  # noqa: E402
+
+from egemma.engine import Engine, EngineConfig  # noqa: E402
 
 DEFAULT = ["default:", "expandable:PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True", "max8192:max_tokens=8192"]
 
@@ -27,12 +34,7 @@ def process_mib() -> int:
 
 
 def child(checkpoint: str, settings: dict) -> dict:
-    import logging
-
-    import torch
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-
-    from egemma.engine import Engine, EngineConfig
     gib = 2 ** -30
     t0 = time.perf_counter()
     eng = Engine(EngineConfig(checkpoint, **settings))
@@ -41,18 +43,9 @@ def child(checkpoint: str, settings: dict) -> dict:
          "allocated_gib": torch.cuda.memory_allocated() * gib, "reserved_gib": torch.cuda.memory_reserved() * gib,
          "peak_gib": torch.cuda.max_memory_allocated() * gib, "process_mib": process_mib(),
          "weights_gib": eng.model.weight_bytes() * gib}
-    rng = np.random.default_rng(0)
-    for name, (n, L) in {"8x2048": (8, 2048), "1x16": (1, 16)}.items():
-        seqs = [rng.integers(4, eng.cfg.vocab_size, L).astype(np.int32) for _ in range(n)]
-        for _ in range(5):
-            eng.embed(seqs)
-        ts = []
-        for _ in range(30):
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            eng.embed(seqs)
-            ts.append((time.perf_counter() - t) * 1e3)
-        r[f"{name}_ms"] = sorted(ts)[len(ts) // 2]
+    batches = workloads(eng.cfg.vocab_size)
+    for name in ("8x2048", "1x16"):
+        r[f"{name}_ms"] = timed(lambda: eng.embed(batches[name]), 30)
     r["process_mib_after_runs"] = process_mib()
     before = torch.cuda.memory_allocated()
     torch._C._cuda_clearCublasWorkspaces()  # diagnosis only: the graphs point into them, so nothing runs after
