@@ -10,7 +10,7 @@ import time
 import urllib.error
 import urllib.request
 
-from egemma.ops.procfs import kill_group, wait_up
+from egemma.ops.procfs import end_group, wait_up
 
 
 class Front:
@@ -20,7 +20,6 @@ class Front:
                                                                        flush=True)):
         self.args, self.url, self.log = args, url, log
         self.proc: subprocess.Popen | None = None
-        self.restarts = 0
         self._next_try = 0.0
 
     def start(self, timeout: float = 60.0) -> "Front":
@@ -49,21 +48,14 @@ class Front:
         self._next_try = time.monotonic() + 2.0
         try:
             self.start()
-            self.restarts += 1
         except (RuntimeError, TimeoutError) as e:
             self.log(f"restart failed: {e}")
 
     def kill(self, sig=signal.SIGKILL, timeout: float = 10.0):
-        """Signal the whole process group and wait until none of it is left (SIGKILL after timeout)."""
-        try:
-            os.killpg(self.proc.pid, sig)
-        except ProcessLookupError:
-            pass
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            return self.kill(signal.SIGKILL, timeout)
-        kill_group(self.proc.pid, timeout)  # the parent is gone; its workers get no more time
+        """Signal the whole process group and wait until none of it is left (SIGKILL after timeout: once the
+        parent is gone, its workers get no more time)."""
+        if left := end_group(self.proc, sig, timeout, timeout):
+            self.log(f"processes {left} of the gateway's group outlived SIGKILL for {timeout:g}s")
 
     def stop(self, timeout: float = 15.0):
         """SIGTERM: each worker stops accepting, finishes its requests in flight, exits."""

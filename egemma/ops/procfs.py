@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import time
 
 STUB = "triton_python_backend_stub"
@@ -27,13 +28,15 @@ def argv(pid: int) -> list[str]:
         return []
 
 
+def _live(field: int, value: int) -> list[int]:
+    """Live (not zombie) processes whose stat field [field] is value."""
+    return [int(d) for d in os.listdir("/proc") if d.isdigit() and (s := stat(int(d))) and int(s[field]) == value
+            and s[0] != "Z"]
+
+
 def children(pid: int) -> dict[int, list[str]]:
     """{child pid: argv} for the live (not zombie) children of pid."""
-    out = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit() and (s := stat(int(d))) and int(s[1]) == pid and s[0] != "Z" and (a := argv(int(d))):
-            out[int(d)] = a
-    return out
+    return {p: a for p in _live(1, pid) if (a := argv(p))}
 
 
 def stub_pids(server_pid: int) -> dict[int, str]:
@@ -43,8 +46,7 @@ def stub_pids(server_pid: int) -> dict[int, str]:
 
 def group(pgid: int) -> list[int]:
     """Live (not zombie) processes of process group pgid."""
-    return [int(d) for d in os.listdir("/proc") if d.isdigit() and (s := stat(int(d))) and int(s[2]) == pgid
-            and s[0] != "Z"]
+    return _live(2, pgid)
 
 
 def kill_group(pgid: int, timeout: float) -> list[int]:
@@ -59,6 +61,23 @@ def kill_group(pgid: int, timeout: float) -> list[int]:
         if time.monotonic() > deadline:
             return left
         time.sleep(0.05)  # the kernel tears them down; polled with a deadline
+    return []
+
+
+def end_group(proc: subprocess.Popen, sig: int, grace: float, timeout: float) -> list[int]:
+    """Send sig to proc's process group (proc leads it), give proc grace seconds to exit, then SIGKILL the group
+    until none of it is left (kill_group); the pids that outlived that. proc is reaped when none did."""
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
+    try:
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        pass
+    if left := kill_group(proc.pid, timeout):
+        return left
+    proc.wait()  # gone or a zombie: returns at once
     return []
 
 

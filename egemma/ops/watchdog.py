@@ -35,7 +35,7 @@ import urllib.error
 import urllib.request
 from typing import Callable
 
-from egemma.ops.procfs import cpu_seconds, kill_group, stopped, stub_pids
+from egemma.ops.procfs import cpu_seconds, end_group, stopped, stub_pids
 from egemma.serving import health
 from egemma.serving.instance import read_heartbeats
 
@@ -205,12 +205,7 @@ class Watchdog:
         s = self.server
         if s is None:
             return
-        try:
-            os.killpg(s.proc.pid, signal.SIGKILL)  # the server and its stubs (one process group)
-        except ProcessLookupError:
-            pass
-        s.proc.wait()
-        if left := kill_group(s.proc.pid, timeout):
+        if left := end_group(s.proc, signal.SIGKILL, timeout, timeout):  # the server and its stubs: one group
             self.log(f"processes {left} of the old server's group outlived SIGKILL for {timeout:g}s")
 
     def stop(self, timeout: float | None = None):

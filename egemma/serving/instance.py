@@ -67,8 +67,8 @@ class Heartbeat:
             self._mm = mmap.mmap(-1, LAYOUT.size)
         LAYOUT.pack_into(self._mm, 0, 0.0, 0.0, os.getpid(), 0)
 
-    def begin(self, tokens: int = 0):
-        _COUNT.pack_into(self._mm, _TOKENS, tokens)  # first: the new start is never read with the last size
+    def begin(self):
+        self.tokens(0)  # first: the new start is never read with the last execute's size
         _STAMP.pack_into(self._mm, 0, time.monotonic())
 
     def tokens(self, n: int):
