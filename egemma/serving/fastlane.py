@@ -14,8 +14,7 @@ import logging
 import re
 import socket
 
-from egemma.serving.guard import Rejected, check_kserve, error_body
-from egemma.serving.upstream import UpstreamError
+from egemma.serving.guard import Rejected, check_kserve, error_body, failure
 
 _HEAD_LIMIT = 8192  # longer heads go to aiohttp, which passes Triton only the headers it uses (the lane: all)
 _REQUEST_LINE = re.compile(rb"(GET|POST) (/v2(?:[/?][!-$&-~]{0,8000})?) HTTP/1\.1\r\n")  # '%' goes to aiohttp
@@ -213,16 +212,12 @@ class _Lane(asyncio.Protocol):
         if self.transport.is_closing():
             return
         if isinstance(res, BaseException):
-            if isinstance(res, Rejected):
-                status, message = res.status, str(res)
-            elif isinstance(res, UpstreamError):
-                status, message = 502, f"Triton failed to answer: {res}"
-            else:
-                status, message = 503, f"Triton is not reachable (restarting?): {type(res).__name__}: {res}"
-            h, body = error_body(message)
-            res = (f"HTTP/1.1 {status} {_REASONS[status]}\r\nContent-Type: {h['content-type']}\r\n"
-                   f"Content-Length: {len(body)}\r\n\r\n").encode() + body, status, {}, None
-        data, _, h, _ = res
+            status, message = failure(res)
+            ct, body = error_body(message)
+            data, h = (f"HTTP/1.1 {status} {_REASONS[status]}\r\nContent-Type: {ct['content-type']}\r\n"
+                       f"Content-Length: {len(body)}\r\n\r\n").encode() + body, {}
+        else:
+            data, _, h, _ = res
         close = self.close_after or self.lanes.draining is not None or h.get("connection", "").lower() == "close"
         if close and "connection" not in h:
             end = data.find(b"\r\n\r\n")

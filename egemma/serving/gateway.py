@@ -47,7 +47,7 @@ from aiohttp import web
 from egemma.serving import health
 from egemma.serving.aioserver import event_loop_runner, exit_with_parent, listen, serve
 from egemma.serving.fastlane import Lanes
-from egemma.serving.guard import Rejected, check_kserve, content_length, error, read_body, too_large
+from egemma.serving.guard import Rejected, check_kserve, content_length, error, failure, read_body, too_large
 from egemma.serving.upstream import Upstream, UpstreamError
 
 DEFAULT_MAX_BODY = 3 << 20  # under the 4 MiB at which Triton 2.51's HTTP crashes on the GPU host
@@ -85,13 +85,11 @@ async def proxy(request: web.Request) -> web.Response:
             if body:  # a GET body too: never trust Triton to ignore it
                 check_kserve(request.path, request.headers.get("Inference-Header-Content-Length"), body)
     except Rejected as e:
-        return error(e.status, str(e))
+        return error(*failure(e))
     try:
         status, h, data = await gw.upstream.request(request.method, request.rel_url.raw_path_qs, headers, body)
-    except UpstreamError as e:
-        return error(502, f"Triton failed to answer: {e}")
-    except (OSError, asyncio.TimeoutError) as e:
-        return error(503, f"Triton is not reachable (restarting?): {type(e).__name__}: {e}")
+    except (UpstreamError, OSError, asyncio.TimeoutError) as e:
+        return error(*failure(e))
     return web.Response(status=status, body=data,
                         headers={k: v for k in RESPONSE_HEADERS if (v := h.get(k.lower())) is not None})
 
@@ -187,7 +185,7 @@ def main(argv=None):
     a = ap.parse_args(argv)
     if a.exit_with_parent:
         exit_with_parent(a.exit_with_parent)
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)  # connections are file descriptors
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)  # connections are file descriptors
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     max_connections = min(a.max_connections, max(16, (hard - 64) // 2))  # each also holds one to Triton
     socks = [listen(a.host, p) for p in a.port]  # bound once, shared by the workers (one accept queue)
@@ -195,18 +193,21 @@ def main(argv=None):
                  aliases=tuple(a.alias), max_body=a.max_request_bytes, health_file=a.health_file,
                  triton_metrics=a.triton_metrics, body_timeout=a.body_timeout)
     run, loop = event_loop_runner()
+
+    def worker(siblings: tuple[int, ...] = ()):
+        run(serve(make_app(gw), socks, max_connections, a.idle_timeout, siblings, Lanes(gw, a.idle_timeout)))
     workers = []
     for _ in range(a.workers - 1):
         if (pid := os.fork()) == 0:
             exit_with_parent(os.getppid())
-            run(serve(make_app(gw), socks, max_connections, a.idle_timeout, lanes=Lanes(gw, a.idle_timeout)))
+            worker()
             os._exit(0)
         workers.append(pid)
     print(f"gateway: {', '.join(f'http://{a.host}:{p}' for p in a.port)} -> Triton HTTP {a.triton_http}, gRPC "
           f"{a.triton_grpc}; max request {a.max_request_bytes} bytes; {a.workers} worker(s) of at most "
           f"{max_connections} connections on {loop}",
           file=sys.stderr, flush=True)
-    run(serve(make_app(gw), socks, max_connections, a.idle_timeout, tuple(workers), Lanes(gw, a.idle_timeout)))
+    worker(tuple(workers))
     for pid in workers:  # draining too (serve() sent them SIGTERM)
         try:
             os.waitpid(pid, 0)

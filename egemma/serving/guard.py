@@ -12,6 +12,8 @@ import re
 import numpy as np
 from aiohttp import web
 
+from egemma.serving.upstream import UpstreamError
+
 MAX_JSON_DEPTH = 100  # what Triton adopted upstream (#8172); a KServe request needs ~10
 
 
@@ -19,6 +21,16 @@ class Rejected(Exception):
     def __init__(self, status: int, message: str):
         super().__init__(message)
         self.status = status
+
+
+def failure(exc: BaseException) -> tuple[int, str]:
+    """(status, message) for a KServe request Triton did not answer: refused here (Rejected), Triton failed to
+    answer (UpstreamError), or Triton not reachable (anything else: a connection error or timeout)."""
+    if isinstance(exc, Rejected):
+        return exc.status, str(exc)
+    if isinstance(exc, UpstreamError):
+        return 502, f"Triton failed to answer: {exc}"
+    return 503, f"Triton is not reachable (restarting?): {type(exc).__name__}: {exc}"
 
 
 def error_body(message: str) -> tuple[dict[str, str], bytes]:
