@@ -9,6 +9,19 @@ import time
 from pathlib import Path
 
 INFER = "/v2/models/embeddinggemma/infer"
+# The gateway's two KServe paths: its fast lane takes plain requests, and hands a connection to aiohttp at the first
+# request with a percent-escape in its target. Both must guard alike, so the guard tests run through each.
+VIA_AIOHTTP = b"via=%61iohttp"
+
+
+def via_aiohttp(data: bytes) -> bytes:
+    """The same raw request with a percent-escape added to its target's query (data as is if it has no HTTP/1.x
+    request line), so that the gateway serves it on its aiohttp path."""
+    line, sep, rest = data.partition(b"\r\n")
+    method, target, version = (line.split(b" ") + [b"", b""])[:3]
+    if not sep or not version.startswith(b"HTTP/1."):
+        return data
+    return b" ".join([method, target + (b"&" if b"?" in target else b"?") + VIA_AIOHTTP, version]) + sep + rest
 
 
 def request(port: int, method: str = "POST", path: str = INFER, body: bytes = b"", headers: dict | None = None,
