@@ -8,7 +8,8 @@
 #                                          what to install (defaults: torch==2.13.0, the tested CPU build, and
 #                                          the extras server,test; --system: client, for an image that has its
 #                                          own tritonserver)
-# As root with apt-get (CI), the venv mode also installs kubectl (Debian's kubernetes-client) when none is on
+# The venv mode also installs checkov into .cache/checkov-venv (the manifest tests' scanner). As root with apt-get
+# (CI), it also installs kubectl (Debian's kubernetes-client) when none is on
 # PATH: the manifest tests render deploy/ with `kubectl kustomize`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -42,6 +43,13 @@ if not (DEMO / "model.safetensors").exists():
                    stdout=subprocess.DEVNULL)
 print(f"[setup] demo checkpoint (random weights): {DEMO}")
 PY
+# checkov, the manifest tests' security scanner, in a venv of its own: its pins clash with the test environment's.
+CHECKOV=checkov==3.3.30
+if [ "$MODE" = venv ] && [ ! -x .cache/checkov-venv/bin/checkov ]; then
+  echo "[setup] installing $CHECKOV into .cache/checkov-venv for the manifest tests (first run: a few minutes)"
+  "$PY" -m venv .cache/checkov-venv
+  .cache/checkov-venv/bin/python -m pip install -q --disable-pip-version-check "$CHECKOV"
+fi
 if [ "$MODE" = venv ] && ! command -v kubectl >/dev/null; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     echo "[setup] installing kubectl (Debian's kubernetes-client) for the manifest tests"

@@ -5,7 +5,6 @@ import json
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,6 @@ from helpers import ROOT
 from manifests import DEPLOY, adapter_rule, container, container_argv, kustomize, option, rendered
 
 K8S_VERSION = "1.32.0"  # the oldest Kubernetes these manifests are meant for
-CHECKOV = "checkov==3.3.30"  # in its own venv under .cache: its pins clash with the test environment's
 KNATIVE_PROGRESS = "serving.knative.dev/progress-deadline"
 
 
@@ -150,11 +148,13 @@ def _strip(args):
 
 
 def _checkov() -> Path:
-    venv = ROOT / ".cache" / "checkov-venv"
-    exe = venv / "bin" / "checkov"
+    """scripts/setup.sh's checkov. Without it: a skip, but a failure under CI (CI=true), as for kubectl."""
+    exe = ROOT / ".cache" / "checkov-venv" / "bin" / "checkov"
     if not exe.exists():
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
-        subprocess.run([venv / "bin" / "python", "-m", "pip", "install", "-q", CHECKOV], check=True, timeout=900)
+        why = f"no {exe}: scripts/setup.sh installs checkov there"
+        if os.environ.get("CI") == "true":
+            pytest.fail(why)
+        pytest.skip(why)
     return exe
 
 
