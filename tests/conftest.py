@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import tritonclient.grpc as grpcclient
 
-from helpers import GOOD, ROOT, assert_close, reference, text_input, wait_for
+from helpers import GOOD, ROOT, assert_close, reference, text_input
 
 
 class Servers:
@@ -113,26 +113,11 @@ def still_serving(server, good_ref):
 def api_gateway(server, tmp_path_factory):
     """The real gateway process (python -m egemma.serving.gateway, 2 workers) in front of the shared server, as
     the OpenAI and TEI tests drive it: one alias, a 1 MiB body limit (so that 413 is cheap to reach)."""
-    import types
-    import urllib.request
-    from egemma.ops.tritonserver import free_port
-    port, max_body, aliases = free_port(), 1 << 20, ("embeddinggemma",)
-    log = open(tmp_path_factory.mktemp("gateway") / "gateway.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "egemma.serving.gateway", "--port", str(port), "--workers", "2",
-                             "--triton-http", server.http_url, "--triton-grpc", server.grpc_url,
-                             "--triton-metrics", f"{server.host}:{server.metrics_port}",
-                             "--max-request-bytes", str(max_body), *(f"--alias={a}" for a in aliases)],
-                            stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
-    url = f"http://127.0.0.1:{port}"
-
-    def up():
-        assert proc.poll() is None, f"the gateway exited with {proc.returncode}; see {log.name}"
-        try:
-            return urllib.request.urlopen(f"{url}/v1/models", timeout=2).status == 200
-        except OSError:
-            return False
-    wait_for(up, 60, "the gateway to listen")
-    yield types.SimpleNamespace(url=url, aliases=aliases, max_body=max_body, proc=proc)
-    proc.terminate()
-    proc.wait(30)
-    log.close()
+    from rawhttp import start_front
+    max_body, aliases = 1 << 20, ("embeddinggemma",)
+    f = start_front(server, tmp_path_factory.mktemp("gateway") / "gateway.log", "--workers=2",
+                    f"--triton-metrics={server.host}:{server.metrics_port}", f"--max-request-bytes={max_body}",
+                    *(f"--alias={a}" for a in aliases))
+    f.aliases, f.max_body = aliases, max_body
+    yield f
+    f.stop()

@@ -4,7 +4,6 @@ Triton's own answer, byte for byte (no aiohttp `Server` header), also pipelined;
 connection, which stays correct afterwards; SIGTERM lets the answer in flight out, with `Connection: close`."""
 import gzip
 import json
-import re
 import signal
 import socket
 import time
@@ -12,6 +11,7 @@ import time
 import numpy as np
 import pytest
 
+from egemma.ops.procfs import rss_kb
 from egemma.serving.instance import read_heartbeats
 from helpers import GOOD, assert_close, wait_for
 from rawhttp import INFER, j, read_responses, start_front
@@ -111,7 +111,9 @@ def test_sigterm_lets_the_answer_in_flight_out(server, tmp_path, good_ref):
 
 
 def _rss_mb(pid: int) -> float:
-    return int(re.search(r"VmRSS:\s+(\d+)", open(f"/proc/{pid}/status").read()).group(1)) / 1024
+    kb = rss_kb(pid)
+    assert kb >= 0, f"process {pid} is gone"
+    return kb / 1024
 
 
 def test_a_client_that_pipelines_without_reading_is_stopped_not_buffered(front):

@@ -145,25 +145,15 @@ def test_bad_input_tei_shape_while_good_requests_stay_exact(gateway, checkpoints
 def test_health_from_the_watchdog_verdict_and_triton_down(tmp_path):
     """A gateway whose Triton is not there (a restart in progress): /health answers the watchdog's verdict file,
     and every route that needs Triton answers its protocol's 503 at once."""
-    import subprocess
-    import sys
+    from egemma.ops.front import Front
     from egemma.ops.tritonserver import free_port
     from egemma.serving import health
-    from helpers import ROOT, wait_for
     port, verdict = free_port(), tmp_path / "health.json"
     dead = f"127.0.0.1:{free_port()}"
-    with open(tmp_path / "gateway.log", "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "egemma.serving.gateway", "--port", str(port),
-                                 "--triton-http", dead, "--triton-grpc", dead, "--health-file", str(verdict)],
-                                stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
     url = f"http://127.0.0.1:{port}"
+    front = Front([f"--port={port}", f"--triton-http={dead}", f"--triton-grpc={dead}", f"--health-file={verdict}"],
+                  url).start()
     try:
-        def listening():
-            try:
-                return requests.get(f"{url}/v1/models", timeout=2).status_code == 200
-            except OSError:
-                return False
-        wait_for(listening, 60, "the gateway to listen")
         r = requests.get(f"{url}/health", timeout=10)
         assert r.status_code == 503 and r.json() == {"error": "unhealthy: no watchdog verdict yet",
                                                      "error_type": "Unhealthy"}
@@ -181,5 +171,4 @@ def test_health_from_the_watchdog_verdict_and_triton_down(tmp_path):
             r = requests.get(f"{url}{path}", timeout=30)
             assert r.status_code in (404, 503) and set(r.json()) == {"error", "error_type"}, (path, r.text)
     finally:
-        proc.terminate()
-        proc.wait(30)
+        front.stop()
