@@ -1,9 +1,11 @@
 """Protocol-level fuzzing of every port the server exposes, with raw sockets and raw gRPC: the gateway's HTTP (lying
 and malformed framing, slow, stalled and idle connections, huge headers, chunked bodies, binary-extension lengths
 that contradict the body, shapes that overflow, BYTES length prefixes past the buffer, thousands of inputs, deep
-JSON, the connection cap), Triton's gRPC port (no front: garbage frames and protobufs, odd and large messages,
+JSON, the connection cap; the KServe cases on its fast lane and on its aiohttp path, the body-level ones on the
+OpenAI and TEI routes too), Triton's gRPC port (no front: garbage frames and protobufs, odd and large messages,
 huge metadata) and its metrics port. Every answer is an error or a correct result, nothing leaks (the gateway's
 open file descriptors and connections are back where they were), and the server stays alive and exact."""
+import gzip
 import json
 import os
 import socket
@@ -130,7 +132,19 @@ CASES = [
     ("absolute-form target: still only Triton", b"GET http://169.254.169.254:80/v2/health/live HTTP/1.1\r\n"
                                                b"Host: x\r\nConnection: close\r\n\r\n", {200}),
 ]
-
+# The OpenAI and TEI routes (aiohttp only) get the body-level attacks too: deep JSON, a gzip bomb, a chunked body
+# past the limit, a stalled body.
+BOMB = gzip.compress(b"[" * (64 << 20))  # 64 KiB that inflate to 64 MiB
+MIB_CHUNK = b"100000\r\n" + b"a" * (1 << 20) + b"\r\n"
+for route in ("/v1/embeddings", "/embed"):
+    CASES += [
+        (f"{route}: JSON 100k deep", post(b"[" * 100_000 + b"]" * 100_000, route), {400}),
+        (f"{route}: gzip inflating to 64 MiB", post(BOMB, route, **{"Content-Encoding": "gzip"}), {413}),
+        (f"{route}: 5 MiB chunked", f"POST {route} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+         "Transfer-Encoding: chunked\r\n\r\n".encode() + MIB_CHUNK * 5 + b"0\r\n\r\n", {413}),
+        (f"{route}: 10 bytes of 10^6, then a stall", post(b'{"input": ', route, **{"Content-Length": "1000000"}),
+         {0}),
+    ]
 
 @pytest.mark.usefixtures("no_leak")
 @pytest.mark.parametrize("path", ["fast lane", "aiohttp"])
