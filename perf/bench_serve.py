@@ -2,17 +2,19 @@
 serves sentence-transformers bf16 behind the same Triton (perf/baseline_repository).
 
   python perf/bench_serve.py CHECKPOINT --out DIR [--skip-baseline] [--suite full|short|sweep]
-                            [--sweep MODEL=N,MODEL=N ...] [--floor]
+                            [--sweep MODEL=N,MODEL=N ...] [--floor] [--tokenizers-too]
 
 Workloads (gRPC, text built from real English prose, token counts measured with the checkpoint's tokenizer):
-  w1  one request of 8 texts x ~2048 tokens, sequential       (perf_analyzer -b 8), for three text families:
+  w1  one request of 8 texts x ~2048 tokens, sequential       (perf_analyzer -b 8, cycling over 16 different
+      requests), for three text families:
       prose (w1), source code (w1_code: numpy's own .py files) and CJK (w1_cjk: CPython's cjkencodings test
       texts, sentences shuffled and repeated; from --cjk-dir or this Python's test package; skipped if none)
   w2  one ~16-token query, concurrency 1                       (perf_analyzer)
   w3  single ~20-token texts, concurrency 1 .. 256             (perf_analyzer; throughput, latency)
   w4  80% queries of 10-40 tokens, 20% passages of 200-600, Poisson arrivals at 70% of the max rate
 Each --sweep variant (instance counts), and with --floor the repository with do-nothing models, runs w1, w2 and
-w3 at c=128/256 on its own server after the suite on the repository's defaults. Per-model split (Triton's
+w3 at c=128/256 on its own server after the suite on the repository's defaults (--tokenizers-too: ours with
+Hugging Face's tokenizer in place of kernels/bpe.c, the A/B of the tokenizer backend). Per-model split (Triton's
 statistics) for w1 and w3 at c=128. The size of the tokenizer's pieces: perf/tokenizer_pieces.py.
 Writes CSV per perf_analyzer run, results.json, throughput/latency PNG, and prints a summary table."""
 import argparse
@@ -38,6 +40,7 @@ from egemma.ops.tritonserver import TritonServer, free_port
 from egemma.engine.tokenizer import TextTokenizer, resolved_tokenizer_json
 
 CONCURRENCY = [1, 16, 64, 128, 256]
+W1_TEXTS = 128
 MODELS = ("embeddinggemma_tokenizer", "embeddinggemma_encoder")
 
 
@@ -179,21 +182,27 @@ def w1(url, metrics_url, model, data, out: Path, name, log):
 
 
 def tokenizer_times(tok: TextTokenizer, checkpoint: Path, texts: dict) -> dict:
-    """The tokenizer model's call (texts in pieces, int32 arrays out) against one batched call of the
-    checkpoint's tokenizer as transformers builds it, on this host's cores: 8 x 2048 tokens, 256 queries, one."""
+    """The tokenizer model's call (texts in pieces, int32 arrays out) with each backend, against one batched call of
+    the checkpoint's tokenizer as transformers builds it, on this host's cores: 8 x 2048 tokens, 256 queries, one.
+    "fresh": each of 16 different batches once (a word cache is no help on text it has not seen)."""
     from tokenizers import Tokenizer
     plain = Tokenizer.from_str(resolved_tokenizer_json(checkpoint))
     plain.enable_truncation(tok.max_length)
+    hf = TextTokenizer(tok.cfg, backend="tokenizers")
     out = {}
-    runs = [(label, batch, name, f, 0.0) for label, batch in
+    ours = (("ours", tok.encode), ("ours tokenizers", hf.encode), ("plain", plain.encode_batch_fast))
+    runs = [(label, [batch[:8] if label.startswith("8x") else batch] * 22, name, f, 0.0) for label, batch in
             (("8x2048", texts["w1"]), ("8x2048 code", texts["w1_code"]), ("8x2048 cjk", texts.get("w1_cjk")),
-             ("256x20", texts["w3"]), ("1x16", texts["w2"][:1])) if batch
-            for name, f in (("ours", tok.encode), ("plain", plain.encode_batch_fast))]
+             ("256x20", texts["w3"]), ("1x16", texts["w2"][:1])) if batch for name, f in ours]
+    for k, label in (("w1", "8x2048"), ("w1_code", "8x2048 code"), ("w1_cjk", "8x2048 cjk")):
+        if k in texts:
+            batches = [texts[k][i:i + 8] for i in range(0, len(texts[k]), 8)]
+            runs += [(label, batches[:1] * 2 + batches, f"{name} fresh", f, 0.0) for name, f in ours]
     # as in w1, where the tokenizer waits ~15 ms for the encoder between requests: is it slower from cold?
-    runs.append(("8x2048", texts["w1"], "ours 20 ms apart", tok.encode, 0.02))
-    for label, batch, name, f, gap in runs:
+    runs.append(("8x2048", [texts["w1"][:8]] * 22, "ours 20 ms apart", tok.encode, 0.02))
+    for label, batches, name, f, gap in runs:
         ts = []
-        for _ in range(22):
+        for batch in batches:
             time.sleep(gap)
             t0 = time.perf_counter()
             f(batch)
@@ -302,6 +311,8 @@ def main():
                     help="instance-count variants, e.g. embeddinggemma_encoder=2,embeddinggemma_tokenizer=6")
     ap.add_argument("--cjk-dir", type=Path, help="a folder of *-utf8.txt CJK texts (default: this Python's "
                                                  "test/cjkencodings)")
+    ap.add_argument("--tokenizers-too", action="store_true",
+                    help="also serve ours with tokenizer_backend=tokenizers (Hugging Face's) in place of kernels/bpe.c")
     ap.add_argument("--gpu0", action="store_true",
                     help="also serve with the encoder placed by the launcher's --gpus 0 (KIND_GPU on GPU 0) instead of "
                          "the repository's KIND_MODEL: it must serve as the defaults do")
@@ -312,14 +323,16 @@ def main():
     a.out.mkdir(parents=True, exist_ok=True)
     tok = TextTokenizer(ModelConfig.load(a.checkpoint))
     words, rng = prose(), random.Random(0)
-    texts = {"w1": [make_text(tok, words, 2047, rng) for _ in range(8)],
+    # w1: 16 different requests of 8 texts, which perf_analyzer -b 8 cycles through (the same 8 texts on every
+    # request would flatter any cache of the tokenizer's)
+    texts = {"w1": [make_text(tok, words, 2047, rng) for _ in range(W1_TEXTS)],
              "w2": [make_text(tok, words, 16, rng) for _ in range(64)],
              "w3": [make_text(tok, words, 20, rng) for _ in range(256)],
              "w4": [make_text(tok, words, rng.randint(10, 40) if rng.random() < 0.8 else rng.randint(200, 600), rng)
                     for _ in range(500)],
-             "w1_code": [make_chars(tok, code(), 2047, rng) for _ in range(8)]}
+             "w1_code": [make_chars(tok, code(), 2047, rng) for _ in range(W1_TEXTS)]}
     if len(corpus := cjk(a.cjk_dir, rng)) > 16 * 2048:
-        texts["w1_cjk"] = [make_chars(tok, corpus, 2047, rng) for _ in range(8)]
+        texts["w1_cjk"] = [make_chars(tok, corpus, 2047, rng) for _ in range(W1_TEXTS)]
     data = {}
     for utf8 in (False, True):
         data[utf8] = {}
@@ -328,35 +341,40 @@ def main():
             path.write_text(json.dumps(pa_data(texts[key], utf8)))
             data[utf8][key] = path
     for k in (k for k in texts if k.startswith("w1")):
-        print(f"{k} token counts:", [tok.untruncated_length(t) for t in texts[k]], flush=True)
+        n = [tok.untruncated_length(t) for t in texts[k]]
+        print(f"{k}: {len(n)} texts of {min(n)}-{max(n)} tokens", flush=True)
     tok_ms = tokenizer_times(tok, a.checkpoint, texts)
     print("tokenizer alone, ms (median of 20):", json.dumps(tok_ms), flush=True)
     results = {}
     log = open(a.out / "perf_analyzer.log", "w")
     ours = ROOT / "model_repository"
-    # (name, repository, model, suite, instance counts, stub Python: None = the default numpy<2 one, GPUs to place on)
-    suites = [("ours", ours, "embeddinggemma", a.suite, None, None, None)]
+    # (name, repository, model, suite, instance counts, stub Python: None = the default numpy<2 one, GPUs to place on,
+    # model parameters)
+    suites = [("ours", ours, "embeddinggemma", a.suite, None, None, None, None)]
+    if a.tokenizers_too:
+        suites.append(("ours tokenizers", ours, "embeddinggemma", "sweep" if a.suite == "sweep" else "short", None,
+                       None, None, {"tokenizer_backend": "tokenizers"}))
     for v in a.sweep:  # named like "ours tok6 enc3"
         counts = {m: int(n) for m, n in (kv.split("=") for kv in v.split(","))}
         suites.append(("ours " + " ".join(f"{m.rsplit('_', 1)[-1][:3]}{n}" for m, n in counts.items()), ours,
-                       "embeddinggemma", "short", counts, None, None))
+                       "embeddinggemma", "short", counts, None, None, None))
     if a.gpu0:
         suites.append(("ours gpus=0", ours, "embeddinggemma", "sweep" if a.suite == "sweep" else "short", None, None,
-                       [0]))
+                       [0], None))
     if a.floor:
         suites.append(("floor", floor_repository(a.out / "floor_repository"), "embeddinggemma", "short", None, None,
-                       None))
+                       None, None))
     if not a.skip_baseline:  # sentence-transformers needs the host's numpy 2: its stub runs this Python
         suites.append(("st_bf16", ROOT / "perf" / "baseline_repository", "st_bf16", "short", None,
-                       str(Path(sys.executable).parent), None))
-    for name, repo, model, suite, instances, stub_bin, gpus in suites:
+                       str(Path(sys.executable).parent), None, None))
+    for name, repo, model, suite, instances, stub_bin, gpus, params in suites:
         t0 = time.perf_counter()
         tag = re.sub(r"[^A-Za-z0-9_.-]+", "_", name)  # for file names
         try:
             with open(a.out / f"server_{tag}.log", "w") as slog, \
                     TritonServer(a.checkpoint, http_port=free_port(), grpc_port=free_port(),
                                  metrics_port=free_port(), log_file=slog, repository=repo, instances=instances,
-                                 stub_bin=stub_bin, gpus=gpus) as s:
+                                 stub_bin=stub_bin, gpus=gpus, params=params) as s:
                 print(f"{name}: server ready in {time.perf_counter() - t0:.1f}s", flush=True)
                 results[name] = run_suite(tag, s.grpc_url, f"{s.host}:{s.metrics_port}", model,
                                           data[stub_bin is not None], a.out, log, suite)

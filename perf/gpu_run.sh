@@ -4,6 +4,8 @@
 # Steps:
 #   deps                 only unpack what was carried (a warm machine keeps it for the next call: FA3 + sgl-kernel
 #                        do not fit one transfer beside the server); prints the CPU layout and whether MPS is there
+#   tokenizer            kernels/bpe.c against Hugging Face tokenizers on this host (tests/test_bpe.py, the real
+#                        tokenizer if carried), which C compiler builds it, and perf/tokenizer_pieces.py
 #   engine               GPU tests, profile, engine benchmark
 #   serve                serving benchmark (perf/bench_serve.py) incl. the sentence-transformers baseline and
 #                        the instance-count sweep in $EGEMMA_SWEEP (space-separated MODEL=N,MODEL=N variants);
@@ -43,6 +45,11 @@ for step in "$@"; do
   echo "== $step $(date -u +%T)"
   case "$step" in
     deps) lscpu | grep -E "^(Model name|CPU\(s\)|Thread|Core|Socket)"; command -v nvidia-cuda-mps-control ;;
+    tokenizer)
+      command -v cc gcc
+      EMBEDDINGGEMMA_PATH="$FULL" python3 -m pytest -q -rs -p no:cacheprovider tests/test_bpe.py 2>&1 \
+        | tee "$OUT/bpe_tests.log" | tail -n 8
+      (cd perf && python3 tokenizer_pieces.py "$FULL" 2>&1 | grep -v "^\[transformers\]" | tee "$OUT/tokenizer_pieces.log") ;;
     engine)
       EGEMMA_FULL_CHECKPOINT="$FULL" python3 -m pytest -q -rs -p no:cacheprovider tests/test_kernels.py tests/test_gpu.py \
         2>&1 | tee "$OUT/gpu_tests.log" | tail -n 25

@@ -53,8 +53,14 @@ def train_tokenizer(vocab_size: int, add_eos: bool, rng: random.Random) -> Token
     tok.normalizer = normalizers.Replace(" ", "▁")
     tok.pre_tokenizer = pre_tokenizers.Split("▁", behavior="merged_with_next")
     tok.decoder = decoders.Replace("▁", " ")
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS, show_progress=False)
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size - 256, special_tokens=SPECIALS, show_progress=False)
     tok.train_from_iterator(corpus(rng), trainer=trainer)
+    # Gemma's byte fallback: a <0xXX> token for every byte, so characters never seen in training still tokenise
+    d = json.loads(tok.to_str())
+    vocab = d["model"]["vocab"]
+    vocab.update({f"<0x{b:02X}>": len(vocab) + b for b in range(256)})
+    d["model"]["byte_fallback"] = True
+    tok = Tokenizer.from_str(json.dumps(d))
     single = "<bos> $A <eos>" if add_eos else "<bos> $A"
     tok.post_processor = processors.TemplateProcessing(single=single, special_tokens=[("<bos>", 2), ("<eos>", 1)])
     assert [tok.token_to_id(s) for s in SPECIALS] == list(range(len(SPECIALS)))

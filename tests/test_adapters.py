@@ -11,26 +11,27 @@ from tokenizers import Tokenizer
 from helpers import (ROOT, assert_clean_error, assert_close, fire_concurrently, make_texts, model_stats, reference,
                      text_input, wait_for)
 
-SNOWMAN = "☃"  # not in the generated checkpoint's vocabulary: the tokenizer needs its unk token for it
+SNOWMAN = "☃"  # not in the generated checkpoint's vocabulary: without byte fallback it needs the unk token
 QUEUE_DELAY_US = 3_000_000  # the tokenizer waits this long for a batch to fill: every request sent lands in one
 GOOD = make_texts(8, 120, seed=12)
 
 
 @pytest.fixture
 def broken_tokenizer(checkpoints, tmp_path):
-    """The checkpoint's resolved tokenizer.json with its BPE unk_token naming a token the vocabulary lacks: any
-    character outside the vocabulary makes `tokenizers` raise "Unk token ... not found"; other texts get the
-    same ids as before."""
+    """The checkpoint's resolved tokenizer.json with its byte fallback off and its BPE unk_token naming a token the
+    vocabulary lacks: any character outside the vocabulary makes `tokenizers` raise "Unk token ... not found";
+    other texts get the same ids as before. (Without byte fallback kernels/bpe.c does not serve it: the tokenizer
+    model runs Hugging Face's.)"""
     from egemma.engine.tokenizer import resolved_tokenizer_json
     raw = resolved_tokenizer_json(checkpoints["eos"])
     d = json.loads(raw)
     assert d["model"]["type"] == "BPE" and "<no-such-token>" not in d["model"]["vocab"]
-    d["model"]["unk_token"] = "<no-such-token>"
+    d["model"]["unk_token"], d["model"]["byte_fallback"] = "<no-such-token>", False
     broken = json.dumps(d)
     good, bad = Tokenizer.from_str(raw), Tokenizer.from_str(broken)
     with pytest.raises(Exception, match="Unk token"):
         bad.encode(f"snow {SNOWMAN} man")
-    assert good.encode(f"snow {SNOWMAN} man").ids  # the original maps it to <unk>
+    assert good.encode(f"snow {SNOWMAN} man").ids  # the original falls back to its bytes
     for t in GOOD:
         assert bad.encode(t).ids == good.encode(t).ids
     f = tmp_path / "broken-tokenizer.json"

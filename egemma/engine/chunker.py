@@ -25,8 +25,9 @@ class Chunker:
     the ids of the whole (only ">", from Gemma's ">▁</", is excluded). For the same reason the first n tokens
     come from the first n * longest-token characters, so truncated texts are cut there first."""
 
-    def __init__(self, tokenizer_json: str, chunk_chars: int = 2048):
-        d = json.loads(tokenizer_json)
+    def __init__(self, tokenizer_json: str | dict, chunk_chars: int = 2048):
+        """tokenizer_json: a tokenizer.json's text, or the file parsed."""
+        d = json.loads(tokenizer_json) if isinstance(tokenizer_json, str) else tokenizer_json
         m = d.get("model", {})
         self.why_not = None
         if d.get("normalizer") != {"type": "Replace", "pattern": {"String": " "}, "content": "▁"}:
@@ -55,12 +56,17 @@ class Chunker:
             pos = i + 1
         return len(text)
 
+    def head(self, text: str, max_tokens: int | None) -> str:
+        """As much of text as can make max_tokens tokens (all of it without max_tokens)."""
+        if self.why_not or max_tokens is None or not self.longest or len(text) <= max_tokens * self.longest:
+            return text
+        return text[:self.cut(text, max_tokens * self.longest)]
+
     def pieces(self, text: str, max_tokens: int | None = None) -> list[str]:
         """text in pieces of about chunk_chars; with max_tokens, only as much text as can make that many tokens."""
         if self.why_not:
             return [text]
-        if max_tokens is not None and self.longest and len(text) > max_tokens * self.longest:
-            text = text[:self.cut(text, max_tokens * self.longest)]
+        text = self.head(text, max_tokens)
         out, start = [], 0
         while len(text) - start > self.chunk_chars:
             end = self.cut(text, start + self.chunk_chars)

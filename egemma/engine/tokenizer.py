@@ -3,7 +3,9 @@ guarantees on top: every sequence is `BOS ... EOS` (added here, also where the c
 EOS), and truncation to max_seq_length keeps EOS last."""
 from __future__ import annotations
 
+import json
 import logging
+import os
 from pathlib import Path
 
 import numpy as np
@@ -11,6 +13,9 @@ from tokenizers import Tokenizer
 
 from egemma.engine.chunker import Chunker
 from egemma.engine.config import ModelConfig
+from egemma.kernels import bpe
+
+TOKENIZER_BACKENDS = ("auto", "c", "tokenizers")
 
 log = logging.getLogger("egemma")
 
@@ -27,9 +32,14 @@ class PromptError(ValueError):
 
 
 class TextTokenizer:
-    def __init__(self, cfg: ModelConfig, tokenizer_json: str | None = None):
+    def __init__(self, cfg: ModelConfig, tokenizer_json: str | None = None, backend: str = "auto"):
         """tokenizer_json: a file written from `resolved_tokenizer_json` (the serve launcher writes one, so the
-        server's Python needs no transformers); by default it is resolved here."""
+        server's Python needs no transformers); by default it is resolved here. backend: "c" (kernels/bpe.c: the
+        same ids, several times faster), "tokenizers" (Hugging Face's), or "auto": c where it reproduces this
+        tokenizer and builds here, else tokenizers; the choice is logged. Asking for c where it cannot be is an
+        error."""
+        if backend not in TOKENIZER_BACKENDS:
+            raise ValueError(f"tokenizer backend {backend!r}: choose from {TOKENIZER_BACKENDS}")
         self.cfg = cfg
         raw = Path(tokenizer_json).read_text(encoding="utf-8") if tokenizer_json else resolved_tokenizer_json(cfg.path)
         self.tok = Tokenizer.from_str(raw)
@@ -42,9 +52,22 @@ class TextTokenizer:
         self.adds_eos = full[-1:] == [cfg.eos_id] and len(full) == len(plain) + self.adds_bos + 1
         if len(full) != len(plain) + self.adds_bos + self.adds_eos:
             raise ValueError(f"{cfg.path}: the tokenizer adds special tokens other than BOS/EOS: {full} vs {plain}")
-        self.chunker = Chunker(raw)
-        log.info("egemma: tokenizer %s", f"in one piece per text ({self.chunker.why_not})" if self.chunker.why_not
-                 else f"in pieces of ~{self.chunker.chunk_chars} characters, tokenised in parallel")
+        d = json.loads(raw)
+        self.chunker = Chunker(d)
+        self.bpe, why = None, "asked for" if backend == "tokenizers" else self.chunker.why_not
+        if not why:  # bpe.c cuts words where the chunker may: only with its cuts
+            try:  # the pool: as many threads as tokenizers' own (one per CPU), the calling one included
+                added = {t.content: i for i, t in self.tok.get_added_tokens_decoder().items()}
+                self.bpe = bpe.Bpe(d, added, self.chunker.glued, max(len(os.sched_getaffinity(0)) - 1, 0))
+            except bpe.Unsupported as e:
+                why = str(e)
+        if backend == "c" and why:
+            raise ValueError(f"{cfg.path}: tokenizer backend 'c' cannot serve this tokenizer: {why}")
+        self.backend = "c" if self.bpe else "tokenizers"
+        log.info("egemma: tokenizer backend %s%s, %s", self.backend, f" ({why})" if why else
+                 f" (kernels/bpe.c, {self.bpe.threads + 1} threads)",
+                 f"one piece per text ({self.chunker.why_not})" if self.chunker.why_not
+                 else f"texts in pieces of ~{self.chunker.chunk_chars} characters, tokenised in parallel")
         self.max_length = cfg.max_seq_length
 
     def prefix(self, prompt_name: str | None = None, prompt: str | None = None) -> str:
@@ -61,33 +84,40 @@ class TextTokenizer:
             raise PromptError(f"unknown prompt_name {shown}; valid: {sorted(self.cfg.prompts)}")
         return self.cfg.prompts[name]
 
-    def _ids(self, texts: list[str], max_tokens: int | None) -> list[list[int]]:
-        """Ids without specials, all texts' pieces tokenised in one call; small work stays on this thread (the
-        parallel call's thread hand-offs cost more than a few short texts)."""
+    def _ids(self, texts: list[str], max_tokens: int | None) -> list[list[np.ndarray]]:
+        """Each text's ids without specials, as int32 arrays of its pieces, all texts in one parallel call. The C
+        tokenizer cuts and spreads the pieces itself; with tokenizers they are cut here, and small work stays on
+        this thread (its parallel call's hand-offs cost more than a few short texts)."""
         c = self.chunker
+        if self.bpe is not None:
+            return [[ids] for ids in self.bpe.encode([c.head(t, max_tokens) for t in texts], c.chunk_chars)]
         if all(len(t) <= c.chunk_chars for t in texts):  # the common case: every text is one piece
-            pieces, owner = texts, None
+            split = [[t] for t in texts]
         else:
             split = [c.pieces(t, max_tokens) for t in texts]
-            pieces = [p for ps in split for p in ps]
-            owner = [k for k, ps in enumerate(split) for _ in ps]
-        if sum(map(len, pieces)) <= c.chunk_chars:
-            encs = [self.tok.encode(p, add_special_tokens=False) for p in pieces]
-        else:
-            encs = self.tok.encode_batch_fast(pieces, add_special_tokens=False)
-        if owner is None:
-            return [e.ids for e in encs]
-        out = [[] for _ in texts]
-        for k, e in zip(owner, encs):
-            out[k] += e.ids
+        pieces = [p for ps in split for p in ps]
+        encs = [self.tok.encode(p, add_special_tokens=False) for p in pieces] \
+            if sum(map(len, pieces)) <= c.chunk_chars else self.tok.encode_batch_fast(pieces, add_special_tokens=False)
+        ids = [np.asarray(e.ids, dtype=np.int32) for e in encs]
+        out, k = [], 0
+        for ps in split:
+            out.append(ids[k:k + len(ps)])
+            k += len(ps)
         return out
 
     def untruncated_length(self, text: str) -> int:
         """Tokens the text would take without truncation, specials included."""
-        return len(self._ids([text], None)[0]) + 2
+        return sum(map(len, self._ids([text], None)[0])) + 2
 
     def encode(self, texts: list[str]) -> list[np.ndarray]:
         """int32 id arrays BOS ... EOS, at most max_seq_length long (EOS kept last)."""
-        n = self.max_length - 2
-        return [np.asarray([self.cfg.bos_id, *ids[:n], self.cfg.eos_id], dtype=np.int32)
-                for ids in self._ids(texts, n)]
+        n, out = self.max_length - 2, []
+        for pieces in self._ids(texts, n):
+            r = np.empty(min(sum(map(len, pieces)), n) + 2, np.int32)
+            r[0], r[-1], k = self.cfg.bos_id, self.cfg.eos_id, 1
+            for p in pieces:
+                take = min(len(p), len(r) - 1 - k)
+                r[k:k + take] = p[:take]
+                k += take
+            out.append(r)
+        return out

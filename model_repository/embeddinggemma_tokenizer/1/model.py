@@ -19,7 +19,7 @@ class TritonPythonModel:
     def initialize(self, args):
         checkpoint, params = triton_params(args["model_config"])
         self.cfg = ModelConfig.load(checkpoint)
-        self.tok = TextTokenizer(self.cfg, params.get("tokenizer_json"))
+        self.tok = TextTokenizer(self.cfg, params.get("tokenizer_json"), params.get("tokenizer_backend", "auto"))
         self.max_text_bytes = int(params.get("max_text_bytes", 1_000_000))
         self.a = Adapter(pb_utils)
         self.beat = Heartbeat(args["model_instance_name"])

@@ -1,0 +1,132 @@
+"""kernels/bpe.c, our C tokenizer, against its reference, Hugging Face `tokenizers` on the same tokenizer.json:
+the same ids for every text, one at a time and as parallel batches, cold and from its word cache."""
+import json
+import os
+import random
+import shutil
+
+import pytest
+from tokenizers import Tokenizer
+
+from helpers import UNICODE, make_texts
+from test_tokenizer import EDGE, ODD, glued_bpe
+from egemma.engine.chunker import Chunker
+from egemma.engine.config import ModelConfig
+from egemma.engine.tokenizer import TextTokenizer, resolved_tokenizer_json
+from egemma.kernels import bpe
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compiler():
+    if not (shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")):
+        if os.environ.get("CI"):
+            pytest.fail("no C compiler: kernels/bpe.c cannot be built, and CI must test it")
+        pytest.skip("no C compiler to build kernels/bpe.c")
+
+
+def with_bytes(raw: str) -> str:
+    """The tokenizer with every <0xXX> byte token (a trained BPE has only those it saw), as Gemma's has."""
+    d = json.loads(raw)
+    vocab = d["model"]["vocab"]
+    for b in range(256):
+        vocab.setdefault(f"<0x{b:02X}>", len(vocab))
+    return json.dumps(d)
+
+
+def c_bpe(raw: str, threads: int = 0) -> bpe.Bpe:
+    d, tok = json.loads(raw), Tokenizer.from_str(raw)
+    return bpe.Bpe(d, {t.content: i for i, t in tok.get_added_tokens_decoder().items()}, Chunker(raw).glued, threads)
+
+
+def tricky(raw: str, rng: random.Random, n: int) -> list[str]:
+    """Texts built to reach every path: spaces and "▁" (the normaliser; where words are cut), characters glued
+    to "▁", whole added tokens and their fragments, characters without a token (byte fallback), multi-byte and
+    control characters, and runs long enough to bypass the word cache (over 54 bytes) or to collide in it."""
+    d = json.loads(raw)
+    vocab = d["model"]["vocab"]
+    added = [a["content"] for a in d["added_tokens"]][:50]
+    nochar = [c for c in "\x00\x7f\u0378𝔘𠀀\U000e0001\ufffe\u2581" if c not in vocab]
+    alphabet = list(ODD + "  ▁▁<>/\n\t.,'\"aeiou") + nochar + [a[:2] for a in added]
+    words = list({w for t in make_texts(40, 60, seed=1) for w in t.split()})
+    out = []
+    for _ in range(n):
+        parts = []
+        for _ in range(rng.randint(0, 40)):
+            r = rng.random()
+            parts.append(rng.choice(added) if r < 0.05 and added else rng.choice(words) if r < 0.5 else
+                         rng.choice(alphabet) * rng.choice((1, 1, 1, 2, 7, 30)))
+        out.append(rng.choice(("", " ")).join(parts))
+    return out
+
+
+def same_ids(raw: str, texts: list[str], threads: int = 3):
+    """One text at a time, cold and from the cache, then all together over the pool, cut into pieces of about 1
+    byte (every safe cut taken), 64 and 2048."""
+    hf = Tokenizer.from_str(raw)
+    want = [e.ids for e in hf.encode_batch(texts, add_special_tokens=False)]
+    b = c_bpe(raw, threads)
+    for cold_or_cached in range(2):
+        one = [b.encode([t])[0].tolist() for t in texts]
+        assert one == want, [t for t, x, y in zip(texts, one, want) if x != y][:3]
+    for chunk in (1, 64, 2048):
+        batch = [x.tolist() for x in b.encode(texts, chunk)]
+        assert batch == want, (chunk, [t for t, x, y in zip(texts, batch, want) if x != y][:3])
+
+
+@pytest.mark.parametrize("source", ["checkpoint", "glued"])
+def test_ids_equal_tokenizers(checkpoints, source):
+    raw = with_bytes(glued_bpe()) if source == "glued" else resolved_tokenizer_json(checkpoints["eos"])
+    assert bpe.why_not(json.loads(raw)) is None
+    rng = random.Random(0)
+    texts = EDGE + UNICODE + make_texts(40, 400) + tricky(raw, rng, 3000)
+    texts += ["".join(rng.choice(ODD) for _ in range(rng.randint(0, 300))) for _ in range(1000)]
+    same_ids(raw, texts)
+
+
+def test_real_tokenizer_ids_equal_tokenizers(real_checkpoint):
+    """Gemma's own tokenizer: 262k tokens, 515k merges, 6415 added tokens."""
+    raw = resolved_tokenizer_json(real_checkpoint)
+    rng = random.Random(0)
+    texts = EDGE + UNICODE + tricky(raw, rng, 3000) + [" ".join(make_texts(60, 300, seed=s)) for s in range(20)]
+    texts += ["<start_of_turn>user\n" + t + "<end_of_turn>\n<start_of_turn>model\n" for t in make_texts(30, 50)]
+    same_ids(raw, texts, threads=5)
+
+
+def test_text_tokenizer_backends_agree(checkpoints):
+    """The Triton tokenizer's two backends, truncation and pieces included; auto picks C where it can."""
+    cfg = ModelConfig.load(checkpoints["eos"])
+    c, hf = TextTokenizer(cfg, backend="c"), TextTokenizer(cfg, backend="tokenizers")
+    assert (c.backend, hf.backend, TextTokenizer(cfg).backend) == ("c", "tokenizers", "c")
+    texts = EDGE + make_texts(30, 2000) + tricky(resolved_tokenizer_json(checkpoints["eos"]), random.Random(1), 500)
+    assert [s.tolist() for s in c.encode(texts)] == [s.tolist() for s in hf.encode(texts)]
+    assert [c.untruncated_length(t) for t in texts[:50]] == [hf.untruncated_length(t) for t in texts[:50]]
+
+
+def test_refuses_what_it_does_not_reproduce(checkpoints, tmp_path):
+    """Every pipeline step the C code does not implement is named, and backend 'c' is then an error, not a
+    silent other tokenizer; auto falls back to tokenizers, which gives the ids."""
+    base = json.loads(with_bytes(glued_bpe()))
+    cases = {
+        "normaliser": lambda d: d.update(normalizer=None),
+        "pre-tokenizer": lambda d: d.update(pre_tokenizer={"type": "ByteLevel", "add_prefix_space": True,
+                                                           "trim_offsets": True, "use_regex": True}),
+        "plain BPE": lambda d: d["model"].update(ignore_merges=True),
+        "byte fallback": lambda d: d["model"]["vocab"].pop("<0x41>"),
+        "added tokens": lambda d: d["added_tokens"][-1].update(normalized=True),
+    }
+    for why, change in cases.items():
+        d = json.loads(json.dumps(base))
+        change(d)
+        assert why in bpe.why_not(d)
+        with pytest.raises(bpe.Unsupported, match=why):
+            bpe.Bpe(d, {}, set(), 0)
+    cfg = ModelConfig.load(checkpoints["eos"])
+    d = json.loads(resolved_tokenizer_json(checkpoints["eos"]))
+    d["model"]["ignore_merges"] = True
+    f = tmp_path / "tokenizer.json"
+    f.write_text(json.dumps(d))
+    with pytest.raises(ValueError, match="backend 'c' cannot serve"):
+        TextTokenizer(cfg, str(f), backend="c")
+    assert TextTokenizer(cfg, str(f)).backend == "tokenizers"
+    with pytest.raises(ValueError, match="tokenizer backend 'rust'"):
+        TextTokenizer(cfg, backend="rust")
