@@ -16,6 +16,7 @@ from egemma.engine.config import ModelConfig
 from egemma.kernels import bpe
 
 TOKENIZER_BACKENDS = ("auto", "c", "tokenizers")
+C_PIECE_BYTES = 1024  # kernels/bpe.c's pieces: 512-1024 bytes were fastest on the GPU host (perf/RESULTS.md run 41)
 
 log = logging.getLogger("egemma")
 
@@ -90,7 +91,7 @@ class TextTokenizer:
         this thread (its parallel call's hand-offs cost more than a few short texts)."""
         c = self.chunker
         if self.bpe is not None:
-            return [[ids] for ids in self.bpe.encode([c.head(t, max_tokens) for t in texts], c.chunk_chars)]
+            return [[ids] for ids in self.bpe.encode([c.head(t, max_tokens) for t in texts], C_PIECE_BYTES)]
         if all(len(t) <= c.chunk_chars for t in texts):  # the common case: every text is one piece
             split = [[t] for t in texts]
         else:
