@@ -172,8 +172,9 @@ def test_each_instance_runs_on_its_gpu(encoder_model, rendered):
 # ------------------------------------------------------------------------------ through the real server
 
 def test_served_instances_log_their_device_and_stamp_heartbeats(server):
-    """The real Triton args: one log line per encoder instance naming its device, and a heartbeat per instance
-    of both models whose last execute has ended."""
+    """The real Triton args: one log line per encoder instance naming its device, one per tokenizer instance naming
+    its backend (the C tokenizer: the test checkpoint is Gemma-like), and a heartbeat per instance of both models
+    whose last execute has ended."""
     import tritonclient.grpc as grpcclient
     from egemma.ops.procfs import stub_pids
     from egemma.serving.instance import read_heartbeats
@@ -184,6 +185,9 @@ def test_served_instances_log_their_device_and_stamp_heartbeats(server):
     lines = [line for line in log.splitlines() if "egemma: encoder instance" in line]
     assert len(lines) == len(encoders) >= 1, lines
     assert all(line.rstrip().endswith((" on cpu", " on cuda:0")) for line in lines), lines
+    tokenizers = [m for m in stub_pids(server.proc.pid).values() if "embeddinggemma_tokenizer" in m]
+    lines = [line for line in log.splitlines() if "egemma: tokenizer backend" in line]
+    assert len(lines) == len(tokenizers) >= 1 and all("backend c (kernels/bpe.c" in line for line in lines), lines
     beats = read_heartbeats(server.heartbeat_dir)
     assert set(beats) >= {"embeddinggemma_encoder_0_0", "embeddinggemma_tokenizer_0_0"}, beats
     assert {pid for _, _, pid, _ in beats.values()} <= set(stub_pids(server.proc.pid))

@@ -16,6 +16,11 @@ log = logging.getLogger("egemma")
 CLIENT_ERRORS = (OptionError, PromptError)  # the request is at fault: INVALID_ARG with the message
 
 
+def setup_logging():
+    """egemma's INFO lines (each backend choice made at load) into the server's log, from the stub's stderr."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+
+
 def triton_params(model_config: str | dict) -> tuple[str, dict[str, str]]:
     """(checkpoint, other non-empty string parameters) of a Triton model config (its JSON, as a model's
     initialize gets it, or parsed, as the gRPC API returns it). An empty checkpoint parameter falls back to

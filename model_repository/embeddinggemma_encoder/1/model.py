@@ -11,12 +11,12 @@ from egemma.engine import Engine, EngineConfig
 from egemma.serving.instance import Heartbeat, instance_device
 from egemma.serving.metrics import Counters
 from egemma.serving.options import OptionError, RequestOptions, allowed_dimensions, check_dimensions, shape_output
-from egemma.serving.triton import Adapter, triton_params
+from egemma.serving.triton import Adapter, setup_logging, triton_params
 
 
 class TritonPythonModel:
     def initialize(self, args):
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+        setup_logging()
         checkpoint, params = triton_params(args["model_config"])
         dims_spec = params.pop("matryoshka_dims", "")
         params["device"] = instance_device(args, params.get("device", "auto"))

@@ -12,11 +12,12 @@ from egemma.engine.tokenizer import TextTokenizer
 from egemma.serving.instance import Heartbeat
 from egemma.serving.metrics import Counters
 from egemma.serving.options import OptionError, RequestOptions
-from egemma.serving.triton import Adapter, triton_params
+from egemma.serving.triton import Adapter, setup_logging, triton_params
 
 
 class TritonPythonModel:
     def initialize(self, args):
+        setup_logging()
         checkpoint, params = triton_params(args["model_config"])
         self.cfg = ModelConfig.load(checkpoint)
         self.tok = TextTokenizer(self.cfg, params.get("tokenizer_json"), params.get("tokenizer_backend", "auto"))
