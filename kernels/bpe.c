@@ -19,7 +19,7 @@
 typedef struct { uint64_t key; int32_t rank, id; } Merge;     /* key = left id << 32 | right id */
 typedef struct { uint64_t key; int32_t a, b, id, pad; } Entry; /* key = rank << 32 | position: popped smallest first */
 
-/* A word's ids, cached by the word's bytes in two cache lines, direct-mapped (a collision replaces), shared by the
+/* A word's ids, cached by the word's bytes in two cache lines (64-byte aligned), direct-mapped (a collision replaces), shared by the
    pool's threads: seq is a seqlock (odd while written; a reader keeps what it copied only if seq did not move). */
 #define WORD_BYTES 50
 #define WORD_IDS 18
@@ -33,16 +33,13 @@ typedef struct {
     size_t cap;
 } Scratch;
 
-/* One call: texts cut into pieces of about `chunk` bytes at safe cuts, the pieces spread over the pool. */
+/* One call: texts cut into pieces at safe cuts, the pieces spread over the pool. */
 typedef struct {
     Model *m;
     const uint8_t *text;
-    const int64_t *off; /* text i is text[off[i]:off[i + 1]] */
     int32_t *out;
-    long chunk;
-    const long *first;  /* text i's pieces are first[i] .. first[i + 1] - 1 */
-    long ntexts, n;     /* texts, pieces */
-    int64_t *lo, *count; /* per piece: where its text and its ids start (byte offset into text and out); ids */
+    long n;              /* pieces */
+    int64_t *lo, *count; /* per piece: [lo[p], lo[p + 1]) of text, ids written to out + lo[p]; their number */
     atomic_long next;
 } Job;
 
@@ -64,6 +61,7 @@ struct Model {
     _Atomic(Job *) job;        /* the call's, while it hands out pieces */
     atomic_uint generation;    /* a futex: bumped per call that wakes workers */
     atomic_int active;         /* workers inside a call's job */
+    atomic_int stop;           /* bpe_free: workers return */
 };
 
 static inline uint64_t mix(uint64_t x) { return (x * 0x9E3779B97F4A7C15ull) ^ (x >> 29); }
@@ -204,6 +202,7 @@ static long cached_word(const Model *m, Scratch *s, const uint8_t *t, long n, in
     if (!(seq & 1) && c->len == n && !memcmp(c->bytes, t, n)) {
         int32_t ids[WORD_IDS];
         int k = c->n < WORD_IDS ? c->n : WORD_IDS;
+        if (k > n) k = (int)n; /* a torn read is thrown away below; never copy more ids than the word has bytes */
         memcpy(ids, c->ids, k * sizeof(int32_t));
         atomic_thread_fence(memory_order_acquire);
         if (atomic_load_explicit(&c->seq, memory_order_relaxed) == seq) {
@@ -213,6 +212,7 @@ static long cached_word(const Model *m, Scratch *s, const uint8_t *t, long n, in
     }
     long w = bpe_word(m, s, t, n, out);
     if (w <= WORD_IDS && !(seq & 1) && atomic_compare_exchange_strong(&c->seq, &seq, seq + 1)) {
+        atomic_thread_fence(memory_order_release); /* the odd seq is seen before any of the new bytes */
         c->len = (uint8_t)n;
         c->n = (uint8_t)w;
         memcpy(c->bytes, t, n);
@@ -259,18 +259,8 @@ static long cut(const Model *m, const uint8_t *t, long a, long b, long p) {
 
 static void work(Job *j, Scratch *s) {
     long p;
-    while ((p = atomic_fetch_add(&j->next, 1)) < j->n) {
-        long lo = 0, hi = j->ntexts; /* the text holding piece p: first[i] <= p < first[i + 1] */
-        while (hi - lo > 1) {
-            long mid = (lo + hi) / 2;
-            if (j->first[mid] <= p) lo = mid; else hi = mid;
-        }
-        long i = lo, k = p - j->first[i], a = j->off[i], b = j->off[i + 1];
-        long start = k ? cut(j->m, j->text, a, b, a + k * j->chunk) : a;
-        long end = p + 1 < j->first[i + 1] ? cut(j->m, j->text, a, b, a + (k + 1) * j->chunk) : b;
-        j->lo[p] = start;
-        j->count[p] = start < end ? encode_piece(j->m, s, j->text + start, end - start, j->out + start) : 0;
-    }
+    while ((p = atomic_fetch_add(&j->next, 1)) < j->n)
+        j->count[p] = encode_piece(j->m, s, j->text + j->lo[p], j->lo[p + 1] - j->lo[p], j->out + j->lo[p]);
 }
 
 static void futex(atomic_uint *word, int op, unsigned val) { syscall(SYS_futex, word, op, val, NULL, NULL, 0); }
@@ -286,6 +276,7 @@ static void *worker(void *arg) {
     unsigned seen = atomic_load(&m->generation);
     for (;;) {
         futex(&m->generation, FUTEX_WAIT_PRIVATE, seen);
+        if (atomic_load(&m->stop)) return NULL;
         unsigned g = atomic_load(&m->generation);
         if (g == seen) continue; /* spurious */
         seen = g;
@@ -294,25 +285,35 @@ static void *worker(void *arg) {
         if (j) work(j, s);
         atomic_fetch_sub(&m->active, 1);
     }
-    return NULL;
 }
 
 /* Texts i = 0..n-1 are text[off[i]:off[i+1]] (UTF-8); text i's ids go to out[off[i]:], their number to
-   count[i] (-1: out of memory). Each text is cut into pieces of about chunk bytes where the ids cannot change,
-   and the pieces are spread over the pool: about one thread per 2 KB beyond the caller's share is woken, since
-   waking one costs more than a short text. One call at a time per model. */
+   count[i] (-1: out of memory). Each text is cut into pieces of about chunk bytes (>= 1) where the ids cannot
+   change, in one pass here, and the pieces are spread over the pool: about one thread per 2 KB beyond the
+   caller's share is woken, since waking one costs more than a short text. One call at a time per model. A
+   forked child (which has none of the pool's threads) does all the work on its calling thread, unless it was
+   forked while a call was in flight. */
 void bpe_encode(Model *m, const uint8_t *text, const int64_t *off, long n, long chunk, int32_t *out, int64_t *count) {
-    long *first = malloc((n + 1) * sizeof(long));
-    if (!first) { for (long i = 0; i < n; i++) count[i] = -1; return; }
-    first[0] = 0;
-    for (long i = 0; i < n; i++) {
-        long len = off[i + 1] - off[i];
-        first[i + 1] = first[i] + (len > chunk ? (len + chunk - 1) / chunk : 1);
+    long most = n + (off[n] - off[0]) / chunk + 1;
+    int64_t *lo = malloc(2 * (most + 1) * sizeof(int64_t)), *first = malloc((n + 1) * sizeof(int64_t));
+    if (!lo || !first) {
+        free(lo);
+        free(first);
+        for (long i = 0; i < n; i++) count[i] = -1;
+        return;
     }
-    long pieces = first[n];
-    int64_t *lo = malloc(2 * pieces * sizeof(int64_t));
-    if (!lo) { free(first); for (long i = 0; i < n; i++) count[i] = -1; return; }
-    Job j = {m, text, off, out, chunk, first, n, pieces, lo, lo + pieces, 0};
+    long pieces = 0;
+    for (long i = 0; i < n; i++) {
+        first[i] = pieces;
+        long a = off[i], b = off[i + 1], start = a;
+        do {
+            lo[pieces++] = start;
+            start = cut(m, text, a, b, start + chunk < b ? start + chunk : b);
+        } while (start < b);
+    }
+    first[n] = pieces;
+    lo[pieces] = off[n];
+    Job j = {m, text, out, pieces, lo, lo + most + 1, 0};
     long wake = (off[n] - off[0]) >> 11;
     if (wake > pieces - 1) wake = pieces - 1;
     if (wake > m->nthreads) wake = m->nthreads;
@@ -339,6 +340,33 @@ void bpe_encode(Model *m, const uint8_t *text, const int64_t *off, long n, long 
     free(first);
 }
 
+/* The pool stopped and joined, everything freed; m may be partly built (bpe_new's failures). */
+void bpe_free(Model *m) {
+    if (!m) return;
+    atomic_store(&m->stop, 1);
+    atomic_fetch_add(&m->generation, 1);
+    futex(&m->generation, FUTEX_WAKE_PRIVATE, (unsigned)m->nthreads + 1);
+    for (int t = 0; t < m->nthreads; t++) pthread_join(m->threads[t], NULL);
+    for (int t = 0; m->scratch && t <= m->nthreads; t++) {
+        Scratch *s = &m->scratch[t];
+        free(s->id);
+        free(s->prev);
+        free(s->next);
+        free(s->heap);
+    }
+    free(m->scratch);
+    free(m->threads);
+    free(m->cp);
+    free(m->glued);
+    free(m->merges);
+    free(m->cache);
+    free(m->tbyte);
+    free(m->tchild);
+    free(m->tnext);
+    free(m->ttok);
+    free(m);
+}
+
 /* cp: [NCP] one-character token ids (-1 none); byte: [256]; merges: (left, right, merged id) x nm, rank = index,
    a repeated pair keeping its last rank; added: nadd contents (concatenated, aoff[nadd + 1]) and their ids;
    glued: the characters after which a " " is no safe cut; nthreads: pool threads beside the caller. The arrays
@@ -346,7 +374,8 @@ void bpe_encode(Model *m, const uint8_t *text, const int64_t *off, long n, long 
 Model *bpe_new(const int32_t *cp, const int32_t *byte, const int32_t *merges, long nm, const uint8_t *added,
                const int32_t *aoff, const int32_t *aid, long nadd, const uint32_t *glued, int nglued, int nthreads) {
     Model *m = calloc(1, sizeof *m);
-    if (!m || !(m->glued = calloc(NCP, 1))) return NULL;
+    if (!m) return NULL;
+    if (!(m->glued = calloc(NCP, 1))) { free(m); return NULL; }
     for (int i = 0; i < nglued; i++) m->glued[glued[i]] = 1;
     m->cp = malloc(NCP * 4);
     uint64_t ms = 1;
@@ -358,12 +387,16 @@ Model *bpe_new(const int32_t *cp, const int32_t *byte, const int32_t *merges, lo
     m->tchild = malloc(nodes * 4);
     m->tnext = malloc(nodes * 4);
     m->ttok = malloc(nodes * 4);
-    m->cache = calloc(CACHE_SLOTS, sizeof(Slot));
+    if ((m->cache = aligned_alloc(64, CACHE_SLOTS * sizeof(Slot)))) memset(m->cache, 0, CACHE_SLOTS * sizeof(Slot));
     m->nthreads = nthreads;
     m->threads = calloc(nthreads + 1, sizeof(pthread_t));
     m->scratch = calloc(nthreads + 1, sizeof(Scratch));
-    if (!m->cp || !m->merges || !m->cache || !m->tbyte || !m->tchild || !m->tnext || !m->ttok || !m->threads || !m->scratch)
+    if (!m->cp || !m->merges || !m->cache || !m->tbyte || !m->tchild || !m->tnext || !m->ttok || !m->threads ||
+        !m->scratch) {
+        m->nthreads = 0;
+        bpe_free(m);
         return NULL;
+    }
     memcpy(m->cp, cp, NCP * 4);
     memcpy(m->byte, byte, sizeof m->byte);
     for (uint64_t i = 0; i < ms; i++) m->merges[i].key = EMPTY;
@@ -393,9 +426,15 @@ Model *bpe_new(const int32_t *cp, const int32_t *byte, const int32_t *merges, lo
     }
     for (int t = 0; t < nthreads; t++) {
         void **arg = malloc(2 * sizeof(void *));
-        arg[0] = m;
-        arg[1] = &m->scratch[t];
-        if (pthread_create(&m->threads[t], NULL, worker, arg)) { m->nthreads = t; free(arg); break; }
+        if (arg) {
+            arg[0] = m;
+            arg[1] = &m->scratch[t];
+        }
+        if (!arg || pthread_create(&m->threads[t], NULL, worker, arg)) { /* fewer threads, not none */
+            m->nthreads = t;
+            free(arg);
+            break;
+        }
     }
     return m;
 }

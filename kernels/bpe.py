@@ -8,16 +8,20 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import platform
 import shutil
+import stat
 import subprocess
 import tempfile
 import threading
+import weakref
 from pathlib import Path
 
 import numpy as np
 
 SOURCE = Path(__file__).with_name("bpe.c")
 NCP = 0x110000
+CFLAGS = ("-O2", "-shared", "-fPIC", "-pthread")
 
 
 class Unsupported(ValueError):
@@ -52,42 +56,64 @@ def why_not(d: dict) -> str | None:
     if any(a.get("normalized") or a.get("lstrip") or a.get("rstrip") or a.get("single_word")
            for a in d.get("added_tokens") or []):
         return "added tokens matched after normalising, or stripping / whole-word ones"
+    if d.get("truncation") or d.get("padding"):
+        return "truncation or padding in the file (tokenizers applies them; this code does not)"
     return None
 
 
+def _own_dir(d: Path) -> bool:
+    """d exists (made if not), is this user's, not a link, and writable by nobody else: a library loaded from it
+    runs in the server."""
+    try:
+        d.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = d.lstat()
+    except (OSError, RuntimeError):
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o022
+
+
 def _cache_dir() -> Path:
-    for d in (Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "egemma",
-              Path(tempfile.gettempdir()) / f"egemma-{os.getuid()}"):
-        try:
-            d.mkdir(parents=True, exist_ok=True)
-            if os.access(d, os.W_OK):
-                return d
-        except OSError:
-            pass
-    raise Unsupported("no writable cache directory for the compiled library")
+    try:
+        home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "egemma"
+    except RuntimeError:  # no HOME and no passwd entry
+        home = None
+    for d in (home, Path(tempfile.gettempdir()) / f"egemma-{os.getuid()}"):
+        if d is not None and _own_dir(d):
+            return d
+    raise Unsupported("no cache directory of this user's own for the compiled library")
 
 
 def library() -> ctypes.CDLL:
-    """The compiled kernels/bpe.c (built now if this source was never built here). Unsupported without a compiler."""
-    src = SOURCE.read_bytes()
-    so = _cache_dir() / f"bpe-{hashlib.sha256(src).hexdigest()[:16]}.so"
+    """The compiled kernels/bpe.c, built now if this source was never built here with this compiler for this machine.
+    Unsupported when it cannot be: no compiler, no source (an install without it), a library that does not load."""
+    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if cc is None:
+        raise Unsupported("no C compiler (cc) to build kernels/bpe.c")
+    try:
+        src = SOURCE.read_bytes()
+    except OSError as e:
+        raise Unsupported(f"no source to build: {e}") from None
+    tag = hashlib.sha256(src + "\0".join((platform.machine(), os.path.realpath(cc), *CFLAGS)).encode()).hexdigest()
+    so = _cache_dir() / f"bpe-{tag[:16]}.so"
     if not so.exists():
-        cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-        if cc is None:
-            raise Unsupported("no C compiler (cc) to build kernels/bpe.c")
-        tmp = so.with_name(f"{so.name}.{os.getpid()}.tmp")  # instances load at once: build aside, rename
-        r = subprocess.run([cc, "-O2", "-shared", "-fPIC", "-pthread", "-o", str(tmp), str(SOURCE)],
-                           capture_output=True, text=True)
+        fd, tmp = tempfile.mkstemp(dir=so.parent, prefix=so.name, suffix=".tmp")  # instances build at once
+        os.close(fd)
+        r = subprocess.run([cc, *CFLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True)
         if r.returncode:
-            tmp.unlink(missing_ok=True)
+            os.unlink(tmp)
             raise Unsupported(f"{cc} failed on kernels/bpe.c: {r.stderr.strip()[-500:]}")
         os.replace(tmp, so)
-    lib = ctypes.CDLL(str(so))
+    try:
+        lib = ctypes.CDLL(str(so))
+    except OSError as e:
+        raise Unsupported(f"{so} does not load: {e}") from None
     p = ctypes.c_void_p
     lib.bpe_new.restype = p
     lib.bpe_new.argtypes = [p, p, p, ctypes.c_long, p, p, p, ctypes.c_long, p, ctypes.c_int, ctypes.c_int]
     lib.bpe_encode.restype = None
     lib.bpe_encode.argtypes = [p, ctypes.c_char_p, p, ctypes.c_long, ctypes.c_long, p, p]
+    lib.bpe_free.restype = None
+    lib.bpe_free.argtypes = [p]
     return lib
 
 
@@ -123,13 +149,18 @@ class Bpe:
         if not self.m:
             raise MemoryError("kernels/bpe.c: out of memory")
         self.lock = threading.Lock()  # one call at a time per model (its threads' scratch is the model's)
+        weakref.finalize(self, self.lib.bpe_free, self.m)  # its threads stopped, its memory freed
 
     def encode(self, texts: list[str], chunk_bytes: int = 2048) -> list[np.ndarray]:
         """int32 ids of each text (no specials), as views of one buffer. Texts are cut into pieces of about
         chunk_bytes for the pool where the ids cannot change (the chunker's safe cuts)."""
+        if chunk_bytes < 1:
+            raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
         bs = [t.encode() for t in texts]
         off = np.zeros(len(bs) + 1, np.int64)
         np.cumsum([len(b) for b in bs], out=off[1:])
+        if off[-1] >= 2 ** 31:
+            raise ValueError(f"{int(off[-1])} bytes in one call: kernels/bpe.c indexes them with int32")
         out = np.empty(max(int(off[-1]), 1), np.int32)
         count = np.empty(len(bs), np.int64)
         with self.lock:

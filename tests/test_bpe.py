@@ -8,7 +8,7 @@ import shutil
 import pytest
 from tokenizers import Tokenizer
 
-from helpers import UNICODE, make_texts
+from helpers import UNICODE, make_texts, wait_for
 from test_tokenizer import EDGE, ODD, glued_bpe
 from egemma.engine.chunker import Chunker
 from egemma.engine.config import ModelConfig
@@ -41,7 +41,7 @@ def c_bpe(raw: str, threads: int = 0) -> bpe.Bpe:
 def tricky(raw: str, rng: random.Random, n: int) -> list[str]:
     """Texts built to reach every path: spaces and "▁" (the normaliser; where words are cut), characters glued
     to "▁", whole added tokens and their fragments, characters without a token (byte fallback), multi-byte and
-    control characters, and runs long enough to bypass the word cache (over 54 bytes) or to collide in it."""
+    control characters, and runs long enough to bypass the word cache (over 50 bytes) or to collide in it."""
     d = json.loads(raw)
     vocab = d["model"]["vocab"]
     added = [a["content"] for a in d["added_tokens"]][:50]
@@ -113,6 +113,8 @@ def test_refuses_what_it_does_not_reproduce(checkpoints, tmp_path):
         "plain BPE": lambda d: d["model"].update(ignore_merges=True),
         "byte fallback": lambda d: d["model"]["vocab"].pop("<0x41>"),
         "added tokens": lambda d: d["added_tokens"][-1].update(normalized=True),
+        "truncation": lambda d: d.update(truncation={"direction": "Right", "max_length": 2, "strategy":
+                                                     "LongestFirst", "stride": 0}),
     }
     for why, change in cases.items():
         d = json.loads(json.dumps(base))
@@ -122,6 +124,15 @@ def test_refuses_what_it_does_not_reproduce(checkpoints, tmp_path):
             bpe.Bpe(d, {}, set(), 0)
     cfg = ModelConfig.load(checkpoints["eos"])
     d = json.loads(resolved_tokenizer_json(checkpoints["eos"]))
+    d["model"]["vocab"]["<0xA9>▁"] = len(d["model"]["vocab"])  # a merge on a byte-fallback token: "é" is <0xC3><0xA9>
+    d["model"]["merges"].insert(0, ["<0xA9>", "▁"])
+    assert Chunker(d).why_not == "merges of byte-fallback tokens"  # no cut after "é" is safe now
+    f = tmp_path / "byte-merges.json"
+    f.write_text(json.dumps(d))
+    tok = TextTokenizer(cfg, str(f))
+    assert tok.backend == "tokenizers"
+    assert tok.encode(["é a"])[0].tolist()[1:-1] == Tokenizer.from_str(json.dumps(d)).encode("é a").ids[1:-1]
+    d = json.loads(resolved_tokenizer_json(checkpoints["eos"]))
     d["model"]["ignore_merges"] = True
     f = tmp_path / "tokenizer.json"
     f.write_text(json.dumps(d))
@@ -130,3 +141,57 @@ def test_refuses_what_it_does_not_reproduce(checkpoints, tmp_path):
     assert TextTokenizer(cfg, str(f)).backend == "tokenizers"
     with pytest.raises(ValueError, match="tokenizer backend 'rust'"):
         TextTokenizer(cfg, backend="rust")
+
+
+def test_pieces_cost_linear_time_without_safe_cuts(checkpoints):
+    """A 1 MB text with no safe cut (no spaces: CJK, say) is one piece, cut in one pass; ids as tokenizers'."""
+    import time
+    raw = resolved_tokenizer_json(checkpoints["eos"])
+    b, hf = c_bpe(raw, 2), Tokenizer.from_str(raw)
+    for text in ("日" * 330_000, "> " * 500_000):
+        t0 = time.process_time()
+        got = b.encode([text], 1024)[0]
+        took = time.process_time() - t0
+        assert got.tolist() == hf.encode(text, add_special_tokens=False).ids
+        assert took < 5, took  # quadratic cutting took minutes on CI's cores; linear takes well under a second
+    with pytest.raises(ValueError, match="chunk_bytes"):
+        b.encode(["x"], 0)
+
+
+def test_pool_threads_end_with_their_tokenizer_and_a_fork_tokenises_alone(checkpoints):
+    import gc
+    raw = resolved_tokenizer_json(checkpoints["eos"])
+    texts = make_texts(64, 300)
+    want = [e.ids for e in Tokenizer.from_str(raw).encode_batch(texts, add_special_tokens=False)]
+
+    def tasks() -> set[str]:
+        return set(os.listdir("/proc/self/task"))
+    before = tasks()
+    b = c_bpe(raw, 4)
+    pool = tasks() - before
+    assert len(pool) == 4
+    pid = os.fork()
+    if pid == 0:  # the child has none of the pool's threads: it must still answer, on its own thread
+        ok = [x.tolist() for x in b.encode(texts, 64)] == want
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert [x.tolist() for x in b.encode(texts, 64)] == want
+    del b
+    gc.collect()  # joined: each thread has exited, though the kernel may list it a moment longer
+    wait_for(lambda: not pool & tasks(), 10, "the pool's threads to leave /proc")
+
+
+def test_library_is_built_only_into_a_directory_of_this_users_own(tmp_path, monkeypatch):
+    """A library loaded into the server comes from a cache directory nobody else can write: a group- or
+    world-writable one (or a link) is passed over for the next."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (shared / "egemma").mkdir(mode=0o777)
+    os.chmod(shared / "egemma", 0o777)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(shared))
+    assert bpe._cache_dir() != shared / "egemma"
+    own = tmp_path / "own"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(own))
+    assert bpe._cache_dir() == own / "egemma" and bpe.library()
+    assert any(own.glob("egemma/bpe-*.so"))

@@ -41,6 +41,11 @@ class Chunker:
         if any(a.get("lstrip") or a.get("rstrip") or a.get("single_word") for a in added):
             self.why_not = "added tokens that strip or match whole words"
         vocab = m.get("vocab", {})
+        # a character without a token of its own arrives as <0xXX> tokens, which the text-based rule below cannot
+        # see: with merges on them, a cut after such a character may split a merge (Gemma has none)
+        byte_tokens = {f"<0x{b:02X}>" for b in range(256)}
+        if any(t in byte_tokens for mg in m.get("merges", []) for t in (mg if isinstance(mg, list) else mg.split(" "))):
+            self.why_not = "merges of byte-fallback tokens"
         self.glued = {" ", "▁"} | {c for t in vocab for c in re.findall("([^▁])▁", t)} | \
             {c for a in added for c in re.findall("(.)[ ▁]", a["content"], re.S)}
         # every character is >= 1 token unless unknowns are fused (byte fallback covers all bytes: none unknown)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +12,7 @@ from tokenizers import Tokenizer
 
 from egemma.engine.chunker import Chunker
 from egemma.engine.config import ModelConfig
+from egemma.engine.cpus import usable_cores
 from egemma.kernels import bpe
 
 TOKENIZER_BACKENDS = ("auto", "c", "tokenizers")
@@ -57,9 +57,10 @@ class TextTokenizer:
         self.chunker = Chunker(d)
         self.bpe, why = None, "asked for" if backend == "tokenizers" else self.chunker.why_not
         if not why:  # bpe.c cuts words where the chunker may: only with its cuts
-            try:  # the pool: as many threads as tokenizers' own (one per CPU), the calling one included
+            try:  # the pool: one thread per usable core, the calling one included; no truncation or padding, as above
                 added = {t.content: i for i, t in self.tok.get_added_tokens_decoder().items()}
-                self.bpe = bpe.Bpe(d, added, self.chunker.glued, max(len(os.sched_getaffinity(0)) - 1, 0))
+                self.bpe = bpe.Bpe({**d, "truncation": None, "padding": None}, added, self.chunker.glued,
+                                   usable_cores() - 1)
             except bpe.Unsupported as e:
                 why = str(e)
         if backend == "c" and why:

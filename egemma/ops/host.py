@@ -3,11 +3,12 @@ CUDA_VISIBLE_DEVICES), the CPU cores this process may use (affinity and cgroup q
 and the instance counts that follow from them."""
 from __future__ import annotations
 
-import math
 import os
 import shutil
 import subprocess
 from pathlib import Path
+
+from egemma.engine.cpus import usable_cores  # noqa: F401  (here for the launcher and TritonServer)
 
 # Tokenizer instances: one per 4 usable cores, at most 4 per GPU served, at least 1: past that an instance only
 # adds a process, below it instances compete for the cores that tokenise (measured on one 16-core H200 host only:
@@ -63,22 +64,6 @@ def parse_gpus(spec: str, visible: list[int]) -> list[int]:
     if len(set(ids)) != len(ids) or not set(ids) <= set(visible):
         raise ValueError(f"--gpus {spec!r}: not distinct ids among the visible GPUs {visible or '(none)'}")
     return ids
-
-
-def usable_cores() -> int:
-    """CPU cores this process may run on: its affinity, capped by a cgroup v2 (cpu.max) or v1 CPU quota."""
-    cores = len(os.sched_getaffinity(0))
-    for quota_file, period_file in (("/sys/fs/cgroup/cpu.max", None),
-                                    ("/sys/fs/cgroup/cpu/cpu.cfs_quota_us", "/sys/fs/cgroup/cpu/cpu.cfs_period_us")):
-        try:
-            fields = Path(quota_file).read_text().split()
-            quota, period = fields[0], (fields[1] if period_file is None else Path(period_file).read_text().strip())
-        except (OSError, IndexError):
-            continue
-        if quota not in ("max", "-1"):
-            cores = min(cores, max(1, math.ceil(int(quota) / int(period))))
-        break
-    return cores
 
 
 def tokenizer_instances(cores: int, gpus: int) -> int:
