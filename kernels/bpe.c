@@ -142,17 +142,22 @@ static inline void push_pair(const Model *m, Scratch *s, long *nh, int32_t pos) 
     if (e) heap_push(s->heap, nh, (Entry){(uint64_t)e->rank << 32 | (uint32_t)pos, s->id[pos], s->id[nx], e->id, 0});
 }
 
+/* The character of the len bytes at t (valid UTF-8: Python encoded it). */
+static inline uint32_t utf8(const uint8_t *t, int len) {
+    if (len == 1) return t[0];
+    if (len == 2) return (t[0] & 0x1Fu) << 6 | (t[1] & 0x3F);
+    if (len == 3) return (t[0] & 0x0Fu) << 12 | (t[1] & 0x3F) << 6 | (t[2] & 0x3F);
+    return (t[0] & 0x07u) << 18 | (t[1] & 0x3F) << 12 | (t[2] & 0x3F) << 6 | (t[3] & 0x3F);
+}
+
 /* One word (a normalised segment between added tokens): characters -> symbols, then the lowest-ranked merge,
    leftmost first, until none applies; a queue entry is stale when its pair no longer produces its id (as
    tokenizers checks it). Returns the ids written. */
 static long bpe_word(const Model *m, Scratch *s, const uint8_t *t, long n, int32_t *out) {
     long k = 0, i = 0;
     while (i < n) {
-        uint32_t c = t[i];
-        int len = c < 0x80 ? 1 : c < 0xE0 ? 2 : c < 0xF0 ? 3 : 4;
-        if (len == 2) c = (c & 0x1F) << 6 | (t[i + 1] & 0x3F);
-        else if (len == 3) c = (c & 0x0F) << 12 | (t[i + 1] & 0x3F) << 6 | (t[i + 2] & 0x3F);
-        else if (len == 4) c = (c & 0x07) << 18 | (t[i + 1] & 0x3F) << 12 | (t[i + 2] & 0x3F) << 6 | (t[i + 3] & 0x3F);
+        int len = t[i] < 0x80 ? 1 : t[i] < 0xE0 ? 2 : t[i] < 0xF0 ? 3 : 4;
+        uint32_t c = utf8(t + i, len);
         if (c == ' ') c = 0x2581; /* the normaliser */
         int32_t id = c < NCP ? m->cp[c] : -1;
         if (id >= 0) s->id[k++] = id; /* "▁" always has one (kernels/bpe.py checks) */
@@ -187,12 +192,14 @@ static long bpe_word(const Model *m, Scratch *s, const uint8_t *t, long n, int32
 static uint32_t char_before(const uint8_t *t, long p) {
     long i = p - 1;
     while (i > 0 && (t[i] & 0xC0) == 0x80) i--;
-    uint32_t c = t[i];
-    int len = (int)(p - i);
-    if (len == 2) c = (c & 0x1F) << 6 | (t[i + 1] & 0x3F);
-    else if (len == 3) c = (c & 0x0F) << 12 | (t[i + 1] & 0x3F) << 6 | (t[i + 2] & 0x3F);
-    else if (len == 4) c = (c & 0x07) << 18 | (t[i + 1] & 0x3F) << 12 | (t[i + 2] & 0x3F) << 6 | (t[i + 3] & 0x3F);
-    return c;
+    return utf8(t + i, (int)(p - i));
+}
+
+/* The first safe cut at or after p in t[a:b] (b if none): a " " after a character not glued to "▁". */
+static long cut(const Model *m, const uint8_t *t, long a, long b, long p) {
+    for (; p < b; p++)
+        if (t[p] == ' ' && p > a && !m->glued[char_before(t, p)]) return p;
+    return b;
 }
 
 static long cached_word(const Model *m, Scratch *s, const uint8_t *t, long n, int32_t *out) {
@@ -226,9 +233,7 @@ static long cached_word(const Model *m, Scratch *s, const uint8_t *t, long n, in
    to "▁" (the Chunker's safe cuts: no merge spans one), so common words come from the cache. */
 static long segment(const Model *m, Scratch *s, const uint8_t *t, long n, int32_t *out) {
     long w = 0, start = 0;
-    for (long p = 1; p < n; p++) {
-        if (t[p] != ' ') continue;
-        if (m->glued[char_before(t, p)]) continue;
+    for (long p = cut(m, t, 0, n, 1); p < n; p = cut(m, t, 0, n, p + 1)) {
         w += cached_word(m, s, t + start, p - start, out + w);
         start = p;
     }
@@ -248,13 +253,6 @@ static long encode_piece(const Model *m, Scratch *s, const uint8_t *t, long n, i
         start = i;
     }
     return w + segment(m, s, t + start, n - start, out + w);
-}
-
-/* The first safe cut at or after p in text[a:b] (b if none): a " " after a character not glued to "▁". */
-static long cut(const Model *m, const uint8_t *t, long a, long b, long p) {
-    for (; p < b; p++)
-        if (t[p] == ' ' && p > a && !m->glued[char_before(t, p)]) return p;
-    return b;
 }
 
 static void work(Job *j, Scratch *s) {

@@ -1,14 +1,12 @@
 """What this host gives the server, read without importing torch: the GPUs CUDA will number (after
-CUDA_VISIBLE_DEVICES), the CPU cores this process may use (affinity and cgroup quota, as in a Kubernetes pod),
-and the instance counts that follow from them."""
+CUDA_VISIBLE_DEVICES), and the instance counts that follow from them and from the CPU cores this process may use
+(egemma.engine.cpus.usable_cores: affinity and cgroup quota, as in a Kubernetes pod)."""
 from __future__ import annotations
 
 import os
 import shutil
 import subprocess
 from pathlib import Path
-
-from egemma.engine.cpus import usable_cores  # noqa: F401  (here for the launcher and TritonServer)
 
 # Tokenizer instances: one per 4 usable cores, at most 4 per GPU served, at least 1: past that an instance only
 # adds a process, below it instances compete for the cores that tokenise (measured on one 16-core H200 host only:

@@ -32,7 +32,8 @@ import sys
 import threading
 from pathlib import Path
 
-from egemma.ops.host import parse_gpus, usable_cores, visible_gpus
+from egemma.engine.cpus import usable_cores
+from egemma.ops.host import parse_gpus, visible_gpus
 from egemma.ops.repository import ROOT, resolve_checkpoint
 from egemma.ops.front import Front
 from egemma.ops.tritonserver import ADMIN_APIS, ADMIN_HEADER, TritonServer, free_port

@@ -15,8 +15,9 @@ import tempfile
 import urllib.request
 from pathlib import Path
 
+from egemma.engine.cpus import usable_cores
 from egemma.engine.tokenizer import resolved_tokenizer_json
-from egemma.ops.host import tokenizer_instances, usable_cores
+from egemma.ops.host import tokenizer_instances
 from egemma.ops.procfs import wait_up
 from egemma.ops.repository import REPO, render_repository
 from egemma.serving.instance import HEARTBEAT_DIR
