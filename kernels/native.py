@@ -17,9 +17,14 @@ def norm_add_norm(x, residual, w_post, w_pre, eps):
     return rmsnorm(residual, w_pre, eps)
 
 
-def gelu_tanh_and_mul(gate_up):  # [T, 2I] -> [T, I]
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.gelu(gate, approximate="tanh") * up
+def gelu_tanh_and_mul(gate_up):
+    """[T, 2I] with gate j and up j in columns 2j, 2j + 1 (the gate_up weight's rows interleaved at load,
+    egemma.engine.weights) -> gelu_tanh(gate) * up [T, I]."""
+    return F.gelu(gate_up[:, 0::2], approximate="tanh") * gate_up[:, 1::2]
+
+
+def gate_up_gelu(x, w_gate_up):  # the MLP's first half: [T, D] @ [2I, D] (interleaved) -> [T, I]
+    return gelu_tanh_and_mul(x @ w_gate_up.T)
 
 
 def mean_pool(x, cu_seqlens, n):

@@ -1,17 +1,23 @@
 """Backend choice, made once at load by timing and logged: all autotuning lives here, with one timer. Elementwise
-ops: sgl-kernel / Triton-lang / torch-native, the fastest per op. Attention: FA3 (flash_attn_interface) / torch's
-built-in FA2 / native SDPA, the fastest per CUDA graph and layer type. Every choice computes the same function as
-`kernels.native` up to bf16 rounding; asking for a backend that is not installed is an error, never a silent
-fallback."""
+ops: sgl-kernel / Triton-lang / torch-native, the fastest per op. The MLP's gate_up GEMM + gelu_and_mul: cuBLAS and
+that op, or one fused kernel (kernels.fused_gemm) in one of its tiles, the fastest per token bucket. Attention: FA3
+(flash_attn_interface) / torch's built-in FA2 / native SDPA, the fastest per CUDA graph and layer type. Every choice
+computes the same function as `kernels.native` up to bf16 rounding; asking for a backend that is not installed is an
+error, never a silent fallback."""
 from __future__ import annotations
 
+import bisect
 import importlib.util
+import logging
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable
 
 import torch
 
 from egemma.kernels import native
+
+log = logging.getLogger("egemma")
 
 NORM_BACKENDS = ("sgl-kernel", "triton", "native")
 ATTENTION_BACKENDS = ("fa3", "fa2", "native")
@@ -22,7 +28,8 @@ class Ops:
     name: str
     rmsnorm: Callable  # (x, w, eps) -> out
     norm_add_norm: Callable  # (x, residual, w_post, w_pre, eps) -> out; residual updated in place
-    gelu_tanh_and_mul: Callable  # (gate_up) -> out
+    gelu_tanh_and_mul: Callable  # (gate_up, gate and up columns interleaved) -> out
+    gate_up_gelu: Callable  # (x, w_gate_up) -> gelu_tanh_and_mul(x @ w_gate_up.T), perhaps as one kernel
     qk_norm_rope: Callable  # (qkv, pos, q_w, k_w, cos, sin, heads, kv_heads, eps) -> q, k, v
     mean_pool: Callable  # (x, cu_seqlens, n) -> fp32 [n, D]
 
@@ -54,6 +61,7 @@ def _backend_ops(backend: str) -> dict[str, Callable]:
         from egemma.kernels import triton_ops as t
         return dict(rmsnorm=t.rmsnorm, norm_add_norm=t.norm_add_norm, gelu_tanh_and_mul=t.gelu_tanh_and_mul)
     import sgl_kernel
+    from egemma.kernels import triton_ops
 
     def rmsnorm(x, w, eps):
         return sgl_kernel.gemma_rmsnorm(x, w, eps)
@@ -63,12 +71,8 @@ def _backend_ops(backend: str) -> dict[str, Callable]:
         sgl_kernel.gemma_fused_add_rmsnorm(y, residual, w_pre, eps)
         return y
 
-    def gelu_tanh_and_mul(gate_up):
-        out = torch.empty((gate_up.shape[0], gate_up.shape[1] // 2), dtype=gate_up.dtype, device=gate_up.device)
-        sgl_kernel.gelu_tanh_and_mul(gate_up, out)
-        return out
-
-    return dict(rmsnorm=rmsnorm, norm_add_norm=norm_add_norm, gelu_tanh_and_mul=gelu_tanh_and_mul)
+    # sgl-kernel's gelu_and_mul reads [gate | up] halves; the interleaved gate_up (egemma.engine.weights) takes ours
+    return dict(rmsnorm=rmsnorm, norm_add_norm=norm_add_norm, gelu_tanh_and_mul=triton_ops.gelu_tanh_and_mul)
 
 
 def time_ms(fn, *args, reps: int = 5, inner: int = 5, capture: bool = True) -> float:
@@ -95,10 +99,48 @@ def time_ms(fn, *args, reps: int = 5, inner: int = 5, capture: bool = True) -> f
     return sorted(runs)[len(runs) // 2]
 
 
+def _unfused(gelu: Callable) -> Callable:
+    return lambda x, w: gelu(x @ w.T)
+
+
+def pick_gate_up(gelu: Callable, device, dtype, hidden: int, intermediate: int, buckets: list[int]
+                 ) -> tuple[Callable, str]:
+    """gate_up_gelu: per token bucket the fastest of cuBLAS + gelu and the fused kernel's tiles (bf16 on Hopper;
+    elsewhere, and in fp32, where Triton's dot would round to tf32, cuBLAS + gelu). A batch takes the choice of the
+    smallest bucket that holds it. Returns it and a summary for the log."""
+    unfused = _unfused(gelu)
+    if not buckets or dtype != torch.bfloat16 or device.type != "cuda" or not _have("triton"):
+        return unfused, "cublas+gelu"
+    from triton.runtime.errors import OutOfResources
+
+    from egemma.kernels import fused_gemm
+    if not fused_gemm.supported(device):
+        return unfused, "cublas+gelu"
+    w = torch.randn(2 * intermediate, hidden, device=device, dtype=dtype) / hidden ** 0.5
+    cands = {"cublas+gelu": unfused, **{str(t): partial(fused_gemm.gate_up_gelu, tile=t) for t in fused_gemm.TILES}}
+    names = []
+    for t in buckets:
+        x = torch.randn(t, hidden, device=device, dtype=dtype)
+        times = {}
+        for name, f in cands.items():
+            try:
+                times[name] = time_ms(f, x, w)
+            except OutOfResources as e:  # a tile too large for this GPU's shared memory: not a candidate here
+                log.info("egemma: gate_up_gelu tile %s does not fit %s: %s", name, device, e)
+        names.append(min(times, key=times.get))
+    fns = [cands[n] for n in names]
+
+    def gate_up_gelu(x, w):
+        return fns[min(bisect.bisect_left(buckets, x.shape[0]), len(buckets) - 1)](x, w)
+    runs = [(buckets[i], names[i]) for i in range(len(names)) if i == 0 or names[i] != names[i - 1]]
+    return gate_up_gelu, ", ".join(f"{n} from {b}" for b, n in runs)
+
+
 def make_ops(backend: str, device: torch.device, dtype=torch.bfloat16, hidden=768, intermediate=1152,
-             tokens=16384) -> Ops:
-    """backend: one of NORM_BACKENDS for every op, or 'auto': on CUDA each op takes the fastest available
-    backend, timed here on [tokens, hidden] data."""
+             tokens=16384, buckets: list[int] | None = None) -> Ops:
+    """backend: one of NORM_BACKENDS for every elementwise op, or 'auto': on CUDA each op takes the fastest
+    available backend, timed here on [tokens, hidden] data. gate_up_gelu: with 'auto' and buckets, timed per bucket
+    (pick_gate_up); otherwise cuBLAS + the chosen gelu_tanh_and_mul."""
     have = available_norm_backends(device)
     if backend != "auto" and backend not in have:
         raise RuntimeError(f"norm backend {backend!r} is not available on {device} (available: {have})")
@@ -108,7 +150,8 @@ def make_ops(backend: str, device: torch.device, dtype=torch.bfloat16, hidden=76
         fused = dict(qk_norm_rope=triton_ops.qk_norm_rope, mean_pool=triton_ops.mean_pool)
     if backend != "auto" or len(have) == 1:
         name = have[0] if backend == "auto" else backend
-        return Ops(name, **fused, **_backend_ops(name))
+        ops = _backend_ops(name)
+        return Ops(name, **fused, **ops, gate_up_gelu=_unfused(ops["gelu_tanh_and_mul"]))
     x = torch.randn(tokens, hidden, device=device, dtype=dtype)
     h = torch.randn(tokens, hidden, device=device, dtype=dtype)
     w = torch.randn(hidden, device=device, dtype=dtype)
@@ -121,7 +164,8 @@ def make_ops(backend: str, device: torch.device, dtype=torch.bfloat16, hidden=76
         best = min(times, key=times.get)
         chosen[op] = cands[best][op]
         names.append(f"{op}={best}")
-    return Ops(",".join(names), **fused, **chosen)
+    gate_up, how = pick_gate_up(chosen["gelu_tanh_and_mul"], device, dtype, hidden, intermediate, buckets or [])
+    return Ops(",".join(names) + f",gate_up_gelu=[{how}]", **fused, **chosen, gate_up_gelu=gate_up)
 
 
 def attention_fn(backend: str) -> Callable:

@@ -43,24 +43,30 @@ def norm_add_norm(x, residual, w_post, w_pre, eps):
 
 
 @triton.jit
+def gelu_tanh_mul(g, u):
+    """gelu_tanh(g) * u in fp32 (also the epilogue of kernels.fused_gemm)."""
+    z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+    z = tl.minimum(tl.maximum(z, -15.0), 15.0)  # tanh is +-1 to fp32 precision beyond; keeps exp finite
+    return 0.5 * g * (2.0 - 2.0 / (tl.exp(2.0 * z) + 1.0)) * u  # 1 + tanh(z)
+
+
+@triton.jit
 def _gelu_tanh_and_mul_kernel(gu_ptr, out_ptr, T, I, s_in, s_out, BLOCK_T: tl.constexpr, BLOCK_I: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)[:, None]  # [BLOCK_T, 1]
     cols = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)[None, :]  # [1, BLOCK_I]
-    m = (rows < T) & (cols < I)
-    g = tl.load(gu_ptr + rows * s_in + cols, mask=m, other=0.0).to(tl.float32)
-    u = tl.load(gu_ptr + rows * s_in + I + cols, mask=m, other=0.0).to(tl.float32)
-    z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
-    z = tl.minimum(tl.maximum(z, -15.0), 15.0)  # tanh is +-1 to fp32 precision beyond; keeps exp finite
-    t = 1.0 - 2.0 / (tl.exp(2.0 * z) + 1.0)  # tanh(z)
-    tl.store(out_ptr + rows * s_out + cols, (0.5 * g * (1.0 + t) * u).to(out_ptr.dtype.element_ty), mask=m)
+    pairs = tl.program_id(1) * 2 * BLOCK_I + tl.arange(0, 2 * BLOCK_I)[None, :]  # gate j, up j adjacent
+    x = tl.load(gu_ptr + rows * s_in + pairs, mask=(rows < T) & (pairs < 2 * I), other=0.0).to(tl.float32)
+    g, u = tl.split(tl.reshape(x, (BLOCK_T, BLOCK_I, 2)))
+    tl.store(out_ptr + rows * s_out + cols, gelu_tanh_mul(g, u).to(out_ptr.dtype.element_ty),
+             mask=(rows < T) & (cols < I))
 
 
-def gelu_tanh_and_mul(gate_up):  # [T, 2I] -> [T, I]
+def gelu_tanh_and_mul(gate_up):  # [T, 2I] gate j and up j in columns 2j, 2j + 1 -> [T, I]
     T, I = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty((T, I), dtype=gate_up.dtype, device=gate_up.device)
     if T:
         # 16-row x 128-column tiles: 128 divides Gemma's 1152, so no lane idles on a partial column block (a
-        # 1024-wide block per row left 44% of the second one idle), and each row's 256 bytes load as vectors.
+        # 1024-wide block per row left 44% of the second one idle), and each row's 512 bytes load as vectors.
         _gelu_tanh_and_mul_kernel[(triton.cdiv(T, 16), triton.cdiv(I, 128))](
             gate_up, out, T, I, gate_up.stride(0), out.stride(0), BLOCK_T=16, BLOCK_I=128)
     return out

@@ -7,10 +7,14 @@
 #   tokenizer            kernels/bpe.c against Hugging Face tokenizers on this host (tests/test_bpe.py, the real
 #                        tokenizer if carried), which C compiler builds it, and perf/tokenizer_pieces.py
 #   engine               GPU tests, profile, engine benchmark
+#   fused                perf/bench_fused.py: the fused gate_up + gelu GEMM against cuBLAS + gelu_and_mul, per size
+#   profile              only perf/profile_engine.py (kernels by group)
 #   serve                serving benchmark (perf/bench_serve.py) incl. the sentence-transformers baseline and
 #                        the instance-count sweep in $EGEMMA_SWEEP (space-separated MODEL=N,MODEL=N variants);
 #                        $EGEMMA_BENCH_ARGS go to bench_serve.py (e.g. "--suite short --skip-baseline --floor");
 #                        EGEMMA_MPS=1 runs it with the CUDA MPS daemon
+#   spy                  perf/spy_serve.py: py-spy samples of both models' stubs while serving w1 and w2 (carry the
+#                        server set and .gpu/py-spy, the static binary from the dev venv)
 #   soak-start[=SECS]    start perf/soak_gpu.py (30 s warm-up + 870 s) detached, so it outlives this call
 #   soak-wait            wait (up to ~9 min) for the soak to end; its results go to $OUT either way
 #   gateway              perf/bench_gateway.py: single texts at c=64 through the gateway's OpenAI route vs gRPC
@@ -56,6 +60,9 @@ for step in "$@"; do
       python3 perf/profile_engine.py "$FULL" > "$OUT/profile_engine.log" 2>&1; grep -A3 "^== " "$OUT/profile_engine.log" | cut -c1-150
       python3 perf/bench_engine.py "$FULL" --out "$OUT/bench_engine.json" 2>&1 | tee "$OUT/bench_engine.log" \
         | grep -v "^\s*$" | tail -n 12 ;;
+    fused) python3 perf/bench_fused.py 2>&1 | tee "$OUT/bench_fused.log" ;;
+    profile)
+      python3 perf/profile_engine.py "$FULL" > "$OUT/profile_engine.log" 2>&1; grep -A3 "^== " "$OUT/profile_engine.log" | cut -c1-150 ;;
     serve)
       # EGEMMA_MPS=1: the encoder processes share the GPU through CUDA MPS (a user daemon; the GPU's settings
       # are untouched) instead of time-slicing it; the daemon is stopped again after the benchmark.
@@ -66,6 +73,9 @@ for step in "$@"; do
       [ -n "${EGEMMA_MPS:-}" ] && echo quit | nvidia-cuda-mps-control
       cp /tmp/serve/results.json /tmp/serve/serve_w3.png "$OUT/" 2>/dev/null
       tar czf "$OUT/serve.tgz" -C /tmp/serve . ;;
+    spy)
+      (cd perf && python3 spy_serve.py "$FULL" --out "$OUT/spy" --py-spy "$PWD/../.gpu/py-spy" 2>&1 \
+        | grep -v "^\[transformers\]" | tee "$OUT/spy.log" | tail -n 140) ;;
     soak-start*)
       secs="${step#soak-start}"; secs="${secs#=}"
       mkdir -p "$SOAK"

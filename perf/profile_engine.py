@@ -13,7 +13,8 @@ from torch.profiler import ProfilerActivity, profile
 from egemma.engine import Engine, EngineConfig
 from egemma.kernels.select import time_ms
 
-GROUPS = [("attention", ("flash", "fmha", "attn")), ("gemm", ("gemm", "sm90", "cutlass", "cublas", "nvjet")),
+GROUPS = [("gemm+gelu", ("gate_up_gelu",)), ("attention", ("flash", "fmha", "attn")),
+          ("gemm", ("gemm", "sm90", "cutlass", "cublas", "nvjet")),
           ("norm", ("rmsnorm", "norm")), ("activation", ("gelu",)), ("rope", ("qk_norm_rope",)),
           ("copy/fill", ("copy", "fill", "memcpy", "memset"))]
 

@@ -1,9 +1,11 @@
 """How the size of the tokenizer's parallel pieces (egemma.engine.chunker.Chunker) affects 8 texts of ~2048 tokens,
 back to back and 20 ms apart (as in w1, where the tokenizer waits for the encoder between requests), for each
 tokenizer backend. 16 different batches in turn, so that kernels/bpe.c's word cache sees new text as in serving.
+"c solo" is the C tokenizer without its pool, at the default piece size: what idling costs one thread.
 
-  python perf/tokenizer_pieces.py CHECKPOINT        # prints the median ms per backend and piece size"""
+  python perf/tokenizer_pieces.py CHECKPOINT        # prints the median ms per variant"""
 import copy
+import json
 import random
 import statistics
 import sys
@@ -13,18 +15,23 @@ from pathlib import Path
 from bench_serve import make_text, prose
 from egemma.engine.config import ModelConfig
 from egemma.engine.chunker import Chunker
-from egemma.engine.tokenizer import TextTokenizer, resolved_tokenizer_json
+from egemma.engine.tokenizer import C_PIECE_BYTES, TextTokenizer, resolved_tokenizer_json
+from egemma.kernels import bpe
 
 SIZES = (256, 512, 768, 1024, 2048, 4096)
 
 ck = Path(sys.argv[1])
 cfg, raw = ModelConfig.load(ck), resolved_tokenizer_json(ck)
 toks = {b: TextTokenizer(cfg, backend=b) for b in ("c", "tokenizers")}
+c = toks["c"]
+solo = toks["c solo"] = copy.copy(c)
+solo.bpe = bpe.Bpe({**json.loads(raw), "truncation": None, "padding": None},
+                   {t.content: i for i, t in c.tok.get_added_tokens_decoder().items()}, c.chunker.glued, 0)
 words, rng = prose(), random.Random(0)
 batches = [[make_text(toks["c"], words, 2047, rng) for _ in range(8)] for _ in range(16)]
 variants = {}
 for b, tok in toks.items():
-    for size in SIZES if b == "c" else (2048,):
+    for size in SIZES if b == "c" else (2048,) if b == "tokenizers" else (C_PIECE_BYTES,):
         variants[b, size] = copy.copy(tok)
         variants[b, size].chunker = Chunker(raw, size)
 for gap in (0.0, 0.02):

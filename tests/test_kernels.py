@@ -6,7 +6,7 @@ import torch
 CUDA = torch.cuda.is_available()  # without one, conftest.py put Triton in interpreter mode
 pytest.importorskip("triton")
 
-from egemma.kernels import native, triton_ops  # noqa: E402
+from egemma.kernels import fused_gemm, native, triton_ops  # noqa: E402
 from egemma.kernels.select import available_norm_backends, make_ops  # noqa: E402
 
 DEV = torch.device("cuda" if CUDA else "cpu")
@@ -57,6 +57,24 @@ def test_gelu_tanh_and_mul(T, I):
     for f in impls("gelu_tanh_and_mul"):
         gu = rand(T, 2 * I, scale=4)
         close(f(gu), native.gelu_tanh_and_mul(gu))
+
+
+# On CPU (Triton's interpreter, fp32: its TMA loads of bf16 come back wrong) small shapes and tiles, so that it runs
+# in seconds; on the GPU Gemma's shapes with every candidate tile, and what make_ops picks per token bucket.
+GATE_UP = [(1, 768, 1152), (37, 768, 1152), (769, 768, 1152), (300, 96, 200)] if CUDA else \
+    [(1, 96, 80), (37, 96, 80), (130, 64, 200)]
+TILES = fused_gemm.TILES if CUDA else (fused_gemm.Tile(16, 32, 32, 2, 4), fused_gemm.Tile(32, 64, 64, 2, 4))
+
+
+@pytest.mark.parametrize("T,D,I", GATE_UP)
+def test_gate_up_gelu(T, D, I):
+    x, w = rand(T, D, scale=3), rand(2 * I, D, scale=D ** -0.5)
+    want = native.gate_up_gelu(x, w)
+    for tile in TILES:
+        close(fused_gemm.gate_up_gelu(x, w, tile), want)
+    if CUDA:
+        ops = make_ops("auto", DEV, DTYPE, D, I, 1024, [16, 64, 1024])
+        close(ops.gate_up_gelu(x, w), want)
 
 
 @pytest.mark.parametrize("T", SIZES)

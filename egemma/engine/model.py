@@ -3,7 +3,7 @@
 Shapes: T packed tokens, B sequences, D hidden, H / Hkv heads, Dh head_dim, I intermediate.
 The residual stream is threaded through the layers so that every residual add is fused with the post-norm before
 it and the pre-norm after it (`norm_add_norm`); q/k/v and gate/up are joined into one GEMM each at load
-(egemma.engine.weights)."""
+(egemma.engine.weights), and gelu_and_mul may run in the gate_up GEMM's epilogue (`gate_up_gelu`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -40,7 +40,7 @@ class Packed:
 class Layer:
     qkv: torch.Tensor  # [(H + 2 Hkv) Dh, D]
     o: torch.Tensor  # [D, H Dh]
-    gate_up: torch.Tensor  # [2I, D]
+    gate_up: torch.Tensor  # [2I, D], gate and up rows interleaved (egemma.engine.weights.INTERLEAVED)
     down: torch.Tensor  # [D, I]
     q_norm: torch.Tensor  # [Dh]
     k_norm: torch.Tensor
@@ -82,7 +82,7 @@ class Encoder:
                                              c.window if L.sliding else -1, c.attn_scale)  # [T, H, Dh]
             x = ops.norm_add_norm(a.reshape(a.shape[0], -1) @ L.o.T, h, L.post_attn_norm, L.pre_ff_norm, c.eps)
             nxt = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.final_norm
-            x = ops.norm_add_norm(ops.gelu_tanh_and_mul(x @ L.gate_up.T) @ L.down.T, h, L.post_ff_norm, nxt, c.eps)
+            x = ops.norm_add_norm(ops.gate_up_gelu(x, L.gate_up) @ L.down.T, h, L.post_ff_norm, nxt, c.eps)
         return x
 
     def embed_packed(self, b: Packed, n: int, ops: Ops, attn: tuple[Callable, Callable]) -> torch.Tensor:

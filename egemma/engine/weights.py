@@ -29,6 +29,9 @@ LAYER: dict[str, tuple[str, Shape]] = {
     "pre_feedforward_layernorm": ("pre_ff_norm", lambda c: (c.hidden,)),
     "post_feedforward_layernorm": ("post_ff_norm", lambda c: (c.hidden,)),
 }
+# Fields whose parts are interleaved row by row instead: gate j next to up j, so that the fused gate_up + gelu
+# kernel finds each pair in adjacent accumulator columns (kernels/fused_gemm.py); every gelu_and_mul reads that order.
+INTERLEAVED = {"gate_up"}
 GLOBAL: dict[str, tuple[str, Shape]] = {
     "embed_tokens": ("embed", lambda c: (c.vocab_size, c.hidden)),
     "norm": ("final_norm", lambda c: (c.hidden,)),
@@ -69,7 +72,8 @@ def _fields(w: dict, table: dict, prefix: str, device, dtype) -> dict[str, torch
     parts: dict[str, list] = {}
     for name, (field, _) in table.items():
         parts.setdefault(field, []).append(w.pop(f"{prefix}{name}.weight"))
-    return {f: torch.cat(p).to(device=device, dtype=dtype).contiguous() for f, p in parts.items()}
+    return {f: (torch.stack(p, 1).flatten(0, 1) if f in INTERLEAVED else torch.cat(p)).to(device=device, dtype=dtype)
+            .contiguous() for f, p in parts.items()}
 
 
 def load(c: ModelConfig, device, dtype) -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]]]:

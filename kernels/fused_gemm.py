@@ -1,0 +1,75 @@
+"""The MLP's gate_up GEMM with gelu_tanh(gate) * up in its epilogue (Triton-lang, TMA loads, one persistent
+program per SM): the [T, 2I] GEMM output never goes to memory and one kernel per layer goes. The weight's rows are
+interleaved at load (egemma.engine.weights: gate j, up j as rows 2j, 2j + 1), so a gate and its up are two adjacent
+accumulator columns, which the wgmma layout keeps in one thread: splitting them costs nothing.
+Reference: native.gate_up_gelu (tests/test_kernels.py). On the H200 it beats cuBLAS + a separate gelu_and_mul from
+~8k tokens (perf/RESULTS.md runs 51-52); the choice is timed per token bucket at load (egemma.kernels.select)."""
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from egemma.kernels.triton_ops import gelu_tanh_mul
+
+
+@dataclass(frozen=True)
+class Tile:
+    """A launch configuration: BM x BN GEMM output tiles (BN / 2 outputs), BK deep steps, pipeline stages, warps."""
+    bm: int
+    bn: int
+    bk: int
+    stages: int
+    warps: int
+
+    def __str__(self):
+        return f"{self.bm}x{self.bn}x{self.bk}/s{self.stages}w{self.warps}"
+
+
+# The candidates timed at load (perf/RESULTS.md run 51 timed more): wide tiles win on many rows, narrow ones spread
+# a few rows' weight reads over more SMs.
+TILES = (Tile(128, 256, 64, 4, 8), Tile(64, 256, 64, 4, 4), Tile(64, 128, 64, 4, 4), Tile(64, 64, 128, 3, 4))
+
+
+@triton.jit
+def _pid(tile, n_m, n_n, GROUP_M: tl.constexpr):
+    """Tile -> (row block, column block), row blocks in groups so that a group's weight columns stay in L2."""
+    in_group = GROUP_M * n_n
+    first = (tile // in_group) * GROUP_M
+    size = tl.minimum(n_m - first, GROUP_M)
+    return first + (tile % in_group) % size, (tile % in_group) // size
+
+
+@triton.jit
+def _gate_up_gelu_kernel(x_desc, w_desc, o_desc, M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                         GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr):
+    n_m, n_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
+    for tile in tl.range(tl.program_id(0), n_m * n_n, NUM_SMS, flatten=True):
+        pm, pn = _pid(tile, n_m, n_n, GROUP_M)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k in range(0, tl.cdiv(K, BK)):
+            acc = tl.dot(x_desc.load([pm * BM, k * BK]), w_desc.load([pn * BN, k * BK]).T, acc)
+        g, u = tl.split(tl.reshape(acc, (BM, BN // 2, 2)))  # [BM, BN / 2] each
+        o_desc.store([pm * BM, pn * (BN // 2)], gelu_tanh_mul(g, u).to(o_desc.dtype))
+
+
+def supported(device: torch.device) -> bool:
+    """TMA and wgmma: Hopper or newer."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def gate_up_gelu(x: torch.Tensor, w_gate_up: torch.Tensor, tile: Tile) -> torch.Tensor:
+    """native.gate_up_gelu(x, w_gate_up) in one kernel: x [T, D], w_gate_up [2I, D] interleaved -> [T, I]."""
+    T, K = x.shape
+    N = w_gate_up.shape[0]
+    out = torch.empty((T, N // 2), dtype=x.dtype, device=x.device)
+    if T:
+        tiles = triton.cdiv(T, tile.bm) * triton.cdiv(N, tile.bn)
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.device.type == "cuda" else 4
+        n = min(tiles, sms)
+        desc = TensorDescriptor.from_tensor
+        _gate_up_gelu_kernel[(n,)](desc(x, [tile.bm, tile.bk]), desc(w_gate_up, [tile.bn, tile.bk]),
+                                   desc(out, [tile.bm, tile.bn // 2]), T, N, K, tile.bm, tile.bn, tile.bk, 8, n,
+                                   num_stages=tile.stages, num_warps=tile.warps)
+    return out

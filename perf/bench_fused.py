@@ -1,0 +1,50 @@
+"""The fused gate_up + gelu_and_mul GEMM (kernels/fused_gemm.py) in each tile against cuBLAS + a separate
+gelu_and_mul, on Gemma's shapes, at each token count: 24 layers' worth of different weights in one CUDA graph (as
+in the forward), median us per layer. cublas+sgl-kernel is the layout before the interleaved gate_up (sgl-kernel's
+op reads [gate | up] halves), for comparison.
+
+  python perf/bench_fused.py [--tokens 16,64,...]"""
+import argparse
+
+import torch
+
+from egemma.kernels import fused_gemm as fg, native, triton_ops
+from egemma.kernels.select import available_norm_backends, time_ms
+
+D, I, LAYERS = 768, 1152, 24
+
+
+def per_layer(fn) -> float:
+    return time_ms(lambda: [fn(i) for i in range(LAYERS)], reps=7, inner=1) / LAYERS * 1e3
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", default="16,64,256,1024,4096,8192,16384")
+    a = ap.parse_args()
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    torch.manual_seed(0)
+    w = [torch.randn(2 * I, D, device=dev, dtype=dt) / D ** .5 for _ in range(LAYERS)]
+    gelus = {"triton": triton_ops.gelu_tanh_and_mul}
+    if "sgl-kernel" in available_norm_backends(dev):
+        import sgl_kernel
+
+        def sgl(gu):
+            out = torch.empty((gu.shape[0], gu.shape[1] // 2), dtype=gu.dtype, device=gu.device)
+            sgl_kernel.gelu_tanh_and_mul(gu, out)
+            return out
+        gelus["sgl-kernel"] = sgl
+    for T in map(int, a.tokens.split(",")):
+        x = torch.randn(T, D, device=dev, dtype=dt) * 3
+        row = {f"cublas+{name}": per_layer(lambda i: g(x @ w[i].T)) for name, g in gelus.items()}
+        ref = native.gate_up_gelu(x, w[0]).float()
+        for t in fg.TILES:
+            err = (fg.gate_up_gelu(x, w[0], t).float() - ref).abs().max().item() / ref.abs().max().item()
+            row[f"fused {t} (err {err:.0e})"] = per_layer(lambda i: fg.gate_up_gelu(x, w[i], t))
+        best = min(v for k, v in row.items() if k.startswith("fused"))
+        print(f"gate_up T={T}: " + ", ".join(f"{k} {v:.1f} us" for k, v in row.items()) +
+              f"; best fused {2 * T * D * 2 * I / best / 1e6:.0f} TFLOP/s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
