@@ -61,7 +61,6 @@ def _backend_ops(backend: str) -> dict[str, Callable]:
         from egemma.kernels import triton_ops as t
         return dict(rmsnorm=t.rmsnorm, norm_add_norm=t.norm_add_norm, gelu_tanh_and_mul=t.gelu_tanh_and_mul)
     import sgl_kernel
-    from egemma.kernels import triton_ops
 
     def rmsnorm(x, w, eps):
         return sgl_kernel.gemma_rmsnorm(x, w, eps)
@@ -71,8 +70,8 @@ def _backend_ops(backend: str) -> dict[str, Callable]:
         sgl_kernel.gemma_fused_add_rmsnorm(y, residual, w_pre, eps)
         return y
 
-    # sgl-kernel's gelu_and_mul reads [gate | up] halves; the interleaved gate_up (egemma.engine.weights) takes ours
-    return dict(rmsnorm=rmsnorm, norm_add_norm=norm_add_norm, gelu_tanh_and_mul=triton_ops.gelu_tanh_and_mul)
+    # no gelu_tanh_and_mul: sgl-kernel's reads [gate | up] halves, not the interleaved gate_up (egemma.engine.weights)
+    return dict(rmsnorm=rmsnorm, norm_add_norm=norm_add_norm)
 
 
 def time_ms(fn, *args, reps: int = 5, inner: int = 5, capture: bool = True) -> float:
@@ -138,8 +137,9 @@ def pick_gate_up(gelu: Callable, device, dtype, hidden: int, intermediate: int, 
 
 def make_ops(backend: str, device: torch.device, dtype=torch.bfloat16, hidden=768, intermediate=1152,
              tokens=16384, buckets: list[int] | None = None) -> Ops:
-    """backend: one of NORM_BACKENDS for every elementwise op, or 'auto': on CUDA each op takes the fastest
-    available backend, timed here on [tokens, hidden] data. gate_up_gelu: with 'auto' and buckets, timed per bucket
+    """backend: one of NORM_BACKENDS for every elementwise op (sgl-kernel: its norms, with Triton-lang's
+    gelu_tanh_and_mul), or 'auto': on CUDA each op takes the fastest available backend, timed here on [tokens,
+    hidden] data. gate_up_gelu: with 'auto' and buckets, timed per bucket
     (pick_gate_up); otherwise cuBLAS + the chosen gelu_tanh_and_mul."""
     have = available_norm_backends(device)
     if backend != "auto" and backend not in have:
@@ -150,7 +150,7 @@ def make_ops(backend: str, device: torch.device, dtype=torch.bfloat16, hidden=76
         fused = dict(qk_norm_rope=triton_ops.qk_norm_rope, mean_pool=triton_ops.mean_pool)
     if backend != "auto" or len(have) == 1:
         name = have[0] if backend == "auto" else backend
-        ops = _backend_ops(name)
+        ops = {**_backend_ops("triton"), **_backend_ops(name)} if name == "sgl-kernel" else _backend_ops(name)
         return Ops(name, **fused, **ops, gate_up_gelu=_unfused(ops["gelu_tanh_and_mul"]))
     x = torch.randn(tokens, hidden, device=device, dtype=dtype)
     h = torch.randn(tokens, hidden, device=device, dtype=dtype)
@@ -160,7 +160,7 @@ def make_ops(backend: str, device: torch.device, dtype=torch.bfloat16, hidden=76
     cands = {b: _backend_ops(b) for b in have}
     chosen, names = {}, []
     for op, a in args.items():
-        times = {b: time_ms(cands[b][op], *a) for b in have}
+        times = {b: time_ms(cands[b][op], *a) for b in have if op in cands[b]}
         best = min(times, key=times.get)
         chosen[op] = cands[best][op]
         names.append(f"{op}={best}")
