@@ -63,6 +63,10 @@ def gate_up_gelu(x: torch.Tensor, w_gate_up: torch.Tensor, tile: Tile) -> torch.
     """native.gate_up_gelu(x, w_gate_up) in one kernel: x [T, D], w_gate_up [2I, D] interleaved -> [T, I]."""
     T, K = x.shape
     N = w_gate_up.shape[0]
+    if not (x.is_contiguous() and w_gate_up.is_contiguous()) or (K * x.element_size()) % 16 or \
+            (N // 2 * x.element_size()) % 16:
+        raise ValueError(f"gate_up_gelu: TMA needs contiguous rows of a multiple of 16 bytes (x {tuple(x.shape)}, "
+                         f"w {tuple(w_gate_up.shape)}, {x.dtype})")
     out = torch.empty((T, N // 2), dtype=x.dtype, device=x.device)
     if T:
         tiles = triton.cdiv(T, tile.bm) * triton.cdiv(N, tile.bn)

@@ -102,31 +102,39 @@ def _unfused(gelu: Callable) -> Callable:
     return lambda x, w: gelu(x @ w.T)
 
 
-def pick_gate_up(gelu: Callable, device, dtype, hidden: int, intermediate: int, buckets: list[int]
-                 ) -> tuple[Callable, str]:
-    """gate_up_gelu: per token bucket the fastest of cuBLAS + gelu and the fused kernel's tiles (bf16 on Hopper;
-    elsewhere, and in fp32, where Triton's dot would round to tf32, cuBLAS + gelu). A batch takes the choice of the
-    smallest bucket that holds it. Returns it and a summary for the log."""
+def pick_gate_up(gelu: Callable, device, dtype, hidden: int, intermediate: int, buckets: list[int],
+                 layers: int = 24) -> tuple[Callable, str]:
+    """gate_up_gelu: per token bucket the fastest of cuBLAS + gelu and the fused kernel's tiles (bf16 on Hopper,
+    with rows TMA can load: 16-byte aligned; elsewhere, and in fp32, where Triton's dot would round to tf32, cuBLAS +
+    gelu). Each candidate is timed over `layers` different weights, as the forward reads them (one weight would sit
+    in L2 and flatter the small buckets). A batch takes the choice of the smallest bucket that holds it. Returns it
+    and a summary for the log."""
     unfused = _unfused(gelu)
-    if not buckets or dtype != torch.bfloat16 or device.type != "cuda" or not _have("triton"):
+    if not buckets or dtype != torch.bfloat16 or device.type != "cuda" or not _have("triton") \
+            or hidden % 8 or intermediate % 8:
         return unfused, "cublas+gelu"
     from triton.runtime.errors import OutOfResources
 
     from egemma.kernels import fused_gemm
     if not fused_gemm.supported(device):
         return unfused, "cublas+gelu"
-    w = torch.randn(2 * intermediate, hidden, device=device, dtype=dtype) / hidden ** 0.5
+    ws = [torch.randn(2 * intermediate, hidden, device=device, dtype=dtype) / hidden ** 0.5 for _ in range(layers)]
     cands = {"cublas+gelu": unfused, **{str(t): partial(fused_gemm.gate_up_gelu, tile=t) for t in fused_gemm.TILES}}
     names = []
     for t in buckets:
         x = torch.randn(t, hidden, device=device, dtype=dtype)
         times = {}
-        for name, f in cands.items():
+        for name, f in list(cands.items()):
+            def layers_of(f=f):  # each output freed before the next: one graph pool's worth, not 24
+                for w in ws:
+                    f(x, w)
             try:
-                times[name] = time_ms(f, x, w)
+                times[name] = time_ms(layers_of, inner=1)
             except OutOfResources as e:  # a tile too large for this GPU's shared memory: not a candidate here
                 log.info("egemma: gate_up_gelu tile %s does not fit %s: %s", name, device, e)
+                del cands[name]
         names.append(min(times, key=times.get))
+    del ws
     fns = [cands[n] for n in names]
 
     def gate_up_gelu(x, w):
@@ -136,7 +144,7 @@ def pick_gate_up(gelu: Callable, device, dtype, hidden: int, intermediate: int, 
 
 
 def make_ops(backend: str, device: torch.device, dtype=torch.bfloat16, hidden=768, intermediate=1152,
-             tokens=16384, buckets: list[int] | None = None) -> Ops:
+             tokens=16384, buckets: list[int] | None = None, layers: int = 24) -> Ops:
     """backend: one of NORM_BACKENDS for every elementwise op (sgl-kernel: its norms, with Triton-lang's
     gelu_tanh_and_mul), or 'auto': on CUDA each op takes the fastest available backend, timed here on [tokens,
     hidden] data. gate_up_gelu: with 'auto' and buckets, timed per bucket
@@ -164,7 +172,8 @@ def make_ops(backend: str, device: torch.device, dtype=torch.bfloat16, hidden=76
         best = min(times, key=times.get)
         chosen[op] = cands[best][op]
         names.append(f"{op}={best}")
-    gate_up, how = pick_gate_up(chosen["gelu_tanh_and_mul"], device, dtype, hidden, intermediate, buckets or [])
+    gate_up, how = pick_gate_up(chosen["gelu_tanh_and_mul"], device, dtype, hidden, intermediate, buckets or [],
+                                layers)
     return Ops(",".join(names) + f",gate_up_gelu=[{how}]", **fused, **chosen, gate_up_gelu=gate_up)
 
 

@@ -7,6 +7,7 @@
 #   tokenizer            kernels/bpe.c against Hugging Face tokenizers on this host (tests/test_bpe.py, the real
 #                        tokenizer if carried), which C compiler builds it, and perf/tokenizer_pieces.py
 #   engine               GPU tests, profile, engine benchmark
+#   tests                only the GPU tests (tests/test_kernels.py, tests/test_gpu.py)
 #   fused                perf/bench_fused.py: the fused gate_up + gelu GEMM against cuBLAS + gelu_and_mul, per size
 #   profile              only perf/profile_engine.py (kernels by group)
 #   serve                serving benchmark (perf/bench_serve.py) incl. the sentence-transformers baseline and
@@ -60,6 +61,9 @@ for step in "$@"; do
       python3 perf/profile_engine.py "$FULL" > "$OUT/profile_engine.log" 2>&1; grep -A3 "^== " "$OUT/profile_engine.log" | cut -c1-150
       python3 perf/bench_engine.py "$FULL" --out "$OUT/bench_engine.json" 2>&1 | tee "$OUT/bench_engine.log" \
         | grep -v "^\s*$" | tail -n 12 ;;
+    tests)
+      EGEMMA_FULL_CHECKPOINT="$FULL" python3 -m pytest -q -rs -p no:cacheprovider tests/test_kernels.py tests/test_gpu.py \
+        2>&1 | tee "$OUT/gpu_tests.log" | tail -n 25 ;;
     fused) python3 perf/bench_fused.py 2>&1 | tee "$OUT/bench_fused.log" ;;
     profile)
       python3 perf/profile_engine.py "$FULL" > "$OUT/profile_engine.log" 2>&1; grep -A3 "^== " "$OUT/profile_engine.log" | cut -c1-150 ;;

@@ -64,7 +64,7 @@ class Engine:
                 x @ x
             torch.cuda.synchronize(self.device)
         self.ops = make_ops(ec.norm_backend, self.device, self.model.dtype, cfg.hidden, cfg.intermediate,
-                            ec.max_tokens, bucket_sizes(ec.max_tokens))
+                            ec.max_tokens, bucket_sizes(ec.max_tokens), cfg.layers)
         have = available_attention_backends(self.device)
         if ec.attention_backend != "auto" and ec.attention_backend not in have:
             raise RuntimeError(f"attention backend {ec.attention_backend!r} is not available on {self.device} "

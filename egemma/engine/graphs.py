@@ -79,7 +79,7 @@ class GraphRunner:
             s.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(s):
                 self._forward(k)  # warm-up: lazy inits and workspace allocations stay out of the graph
-            torch.cuda.current_stream().wait_stream(s)
+            s.synchronize()  # its copy has read the staged inputs before the next bucket's overwrite them
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=pool, stream=s):
                 out = self._forward(k)

@@ -29,8 +29,9 @@ LAYER: dict[str, tuple[str, Shape]] = {
     "pre_feedforward_layernorm": ("pre_ff_norm", lambda c: (c.hidden,)),
     "post_feedforward_layernorm": ("post_ff_norm", lambda c: (c.hidden,)),
 }
-# Fields whose parts are interleaved row by row instead: gate j next to up j, so that the fused gate_up + gelu
-# kernel finds each pair in adjacent accumulator columns (kernels/fused_gemm.py); every gelu_and_mul reads that order.
+# Fields whose parts are interleaved row by row instead, in the table's order: gate row j, then up row j (so gate
+# before up above), so that the fused gate_up + gelu kernel finds each pair in adjacent accumulator columns
+# (kernels/fused_gemm.py); every gelu_and_mul reads that order.
 INTERLEAVED = {"gate_up"}
 GLOBAL: dict[str, tuple[str, Shape]] = {
     "embed_tokens": ("embed", lambda c: (c.vocab_size, c.hidden)),
