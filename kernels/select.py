@@ -147,8 +147,8 @@ def make_ops(backend: str, device: torch.device, dtype=torch.bfloat16, hidden=76
              tokens=16384, buckets: list[int] | None = None, layers: int = 24) -> Ops:
     """backend: one of NORM_BACKENDS for every elementwise op (sgl-kernel: its norms, with Triton-lang's
     gelu_tanh_and_mul), or 'auto': on CUDA each op takes the fastest available backend, timed here on [tokens,
-    hidden] data. gate_up_gelu: with 'auto' and buckets, timed per bucket
-    (pick_gate_up); otherwise cuBLAS + the chosen gelu_tanh_and_mul."""
+    hidden] data. gate_up_gelu: with 'auto' and buckets, timed per bucket over `layers` weights (pick_gate_up);
+    otherwise cuBLAS + the chosen gelu_tanh_and_mul."""
     have = available_norm_backends(device)
     if backend != "auto" and backend not in have:
         raise RuntimeError(f"norm backend {backend!r} is not available on {device} (available: {have})")
