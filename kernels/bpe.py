@@ -117,10 +117,15 @@ def library() -> ctypes.CDLL:
     return lib
 
 
+def added_ids(tok) -> dict[str, int]:
+    """{content: id} of a tokenizers.Tokenizer's added tokens, as it loaded them (it renumbers some)."""
+    return {t.content: i for i, t in tok.get_added_tokens_decoder().items()}
+
+
 class Bpe:
     def __init__(self, d: dict, added: dict[str, int], glued: set[str], threads: int):
         """d: a parsed tokenizer.json (why_not(d) is None); added: its added tokens' ids as tokenizers loads them
-        ({content: id}: it renumbers some); glued: the characters after which a " " is no safe cut
+        (added_ids); glued: the characters after which a " " is no safe cut
         (egemma.engine.chunker.Chunker.glued); threads: pool threads beside the calling one."""
         if why := why_not(d):
             raise Unsupported(why)

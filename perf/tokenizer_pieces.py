@@ -5,7 +5,6 @@ tokenizer backend. 16 different batches in turn, so that kernels/bpe.c's word ca
 
   python perf/tokenizer_pieces.py CHECKPOINT        # prints the median ms per variant"""
 import copy
-import json
 import random
 import statistics
 import sys
@@ -16,17 +15,13 @@ from bench_serve import make_text, prose
 from egemma.engine.config import ModelConfig
 from egemma.engine.chunker import Chunker
 from egemma.engine.tokenizer import C_PIECE_BYTES, TextTokenizer, resolved_tokenizer_json
-from egemma.kernels import bpe
 
 SIZES = (256, 512, 768, 1024, 2048, 4096)
 
 ck = Path(sys.argv[1])
 cfg, raw = ModelConfig.load(ck), resolved_tokenizer_json(ck)
 toks = {b: TextTokenizer(cfg, backend=b) for b in ("c", "tokenizers")}
-c = toks["c"]
-solo = toks["c solo"] = copy.copy(c)
-solo.bpe = bpe.Bpe({**json.loads(raw), "truncation": None, "padding": None},
-                   {t.content: i for i, t in c.tok.get_added_tokens_decoder().items()}, c.chunker.glued, 0)
+toks["c solo"] = TextTokenizer(cfg, backend="c", threads=0)
 words, rng = prose(), random.Random(0)
 batches = [[make_text(toks["c"], words, 2047, rng) for _ in range(8)] for _ in range(16)]
 variants = {}

@@ -36,7 +36,7 @@ def with_bytes(raw: str) -> str:
 
 def c_bpe(raw: str, threads: int = 0) -> bpe.Bpe:
     d, tok = json.loads(raw), Tokenizer.from_str(raw)
-    return bpe.Bpe(d, {t.content: i for i, t in tok.get_added_tokens_decoder().items()}, Chunker(raw).glued, threads)
+    return bpe.Bpe(d, bpe.added_ids(tok), Chunker(raw).glued, threads)
 
 
 def tricky(raw: str, rng: random.Random, n: int) -> list[str]:

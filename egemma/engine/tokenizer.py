@@ -33,12 +33,13 @@ class PromptError(ValueError):
 
 
 class TextTokenizer:
-    def __init__(self, cfg: ModelConfig, tokenizer_json: str | None = None, backend: str = "auto"):
+    def __init__(self, cfg: ModelConfig, tokenizer_json: str | None = None, backend: str = "auto",
+                 threads: int | None = None):
         """tokenizer_json: a file written from `resolved_tokenizer_json` (the serve launcher writes one, so the
         server's Python needs no transformers); by default it is resolved here. backend: "c" (kernels/bpe.c: the
         same ids, several times faster), "tokenizers" (Hugging Face's), or "auto": c where it reproduces this
         tokenizer and builds here, else tokenizers; the choice is logged. Asking for c where it cannot be is an
-        error."""
+        error. threads: the C tokenizer's pool beside the calling thread (default: one per other usable core)."""
         if backend not in TOKENIZER_BACKENDS:
             raise ValueError(f"tokenizer backend {backend!r}: choose from {TOKENIZER_BACKENDS}")
         self.cfg = cfg
@@ -57,10 +58,9 @@ class TextTokenizer:
         self.chunker = Chunker(d)
         self.bpe, why = None, "asked for" if backend == "tokenizers" else self.chunker.why_not
         if not why:  # bpe.c cuts words where the chunker may: only with its cuts
-            try:  # the pool: one thread per usable core, the calling one included; no truncation or padding, as above
-                added = {t.content: i for i, t in self.tok.get_added_tokens_decoder().items()}
-                self.bpe = bpe.Bpe({**d, "truncation": None, "padding": None}, added, self.chunker.glued,
-                                   usable_cores() - 1)
+            try:  # no truncation or padding, as above
+                self.bpe = bpe.Bpe({**d, "truncation": None, "padding": None}, bpe.added_ids(self.tok),
+                                   self.chunker.glued, usable_cores() - 1 if threads is None else threads)
             except bpe.Unsupported as e:
                 why = str(e)
         if backend == "c" and why:
