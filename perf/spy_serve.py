@@ -18,22 +18,8 @@ import tritonclient.grpc as grpcclient
 from bench_serve import make_text, prose
 from egemma.engine.config import ModelConfig
 from egemma.engine.tokenizer import TextTokenizer
+from egemma.ops.procfs import stub_pids
 from egemma.ops.tritonserver import TritonServer, free_port
-
-
-def stub_pids(model: str) -> list[int]:
-    """The stub process of each of the model's instances."""
-    out = []
-    for p in Path("/proc").iterdir():
-        try:
-            cmd = (p / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if cmd and cmd[0].endswith(b"triton_python_backend_stub") and any(model.encode() + b"/" in c for c in cmd):
-            out.append(int(p.name))
-    if not out:
-        raise SystemExit(f"no stub process for {model}")
-    return out
 
 
 def load(url: str, texts: list[str], stop: threading.Event, lat: list):
@@ -87,7 +73,11 @@ def main():
     with open(a.out / "server.log", "w") as log, \
             TritonServer(a.checkpoint, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
                          log_file=log) as s:
-        pids = {m: stub_pids(m) for m in ("embeddinggemma_tokenizer", "embeddinggemma_encoder")}
+        stubs = stub_pids(s.proc.pid)  # {pid: its model.py}
+        pids = {m: [p for p, path in stubs.items() if f"/{m}/" in path]
+                for m in ("embeddinggemma_tokenizer", "embeddinggemma_encoder")}
+        if not all(pids.values()):
+            raise SystemExit(f"no stub process for some model: {pids}")
         for w, texts in work.items():
             stop, lat = threading.Event(), []
             t = threading.Thread(target=load, args=(s.grpc_url, texts, stop, lat))
