@@ -25,10 +25,13 @@ toks["c solo"] = TextTokenizer(cfg, backend="c", threads=0)
 words, rng = prose(), random.Random(0)
 batches = [[make_text(toks["c"], words, 2047, rng) for _ in range(8)] for _ in range(16)]
 variants = {}
-for b, tok in toks.items():
+for b, tok in toks.items():  # the C tokenizer cuts its own pieces (piece_bytes); tokenizers' are the chunker's
     for size in SIZES if b == "c" else (2048,) if b == "tokenizers" else (C_PIECE_BYTES,):
-        variants[b, size] = copy.copy(tok)
-        variants[b, size].chunker = Chunker(raw, size)
+        variants[b, size] = v = copy.copy(tok)
+        if tok.bpe is None:
+            v.chunker = Chunker(raw, size)
+        else:
+            v.piece_bytes = size
 for gap in (0.0, 0.02):
     ms = {k: [] for k in variants}
     for rep in range(48):

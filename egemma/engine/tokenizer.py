@@ -66,9 +66,11 @@ class TextTokenizer:
         if backend == "c" and why:
             raise ValueError(f"{cfg.path}: tokenizer backend 'c' cannot serve this tokenizer: {why}")
         self.backend = "c" if self.bpe else "tokenizers"
+        self.piece_bytes = C_PIECE_BYTES  # the C tokenizer's pieces (tokenizers': the chunker's chunk_chars)
         log.info("egemma: tokenizer backend %s%s, %s", self.backend, f" ({why})" if why else
                  f" (kernels/bpe.c, {self.bpe.threads + 1} threads)",
                  f"one piece per text ({self.chunker.why_not})" if self.chunker.why_not
+                 else f"texts in pieces of ~{self.piece_bytes} bytes, tokenised in parallel" if self.bpe
                  else f"texts in pieces of ~{self.chunker.chunk_chars} characters, tokenised in parallel")
         self.max_length = cfg.max_seq_length
 
@@ -92,7 +94,7 @@ class TextTokenizer:
         this thread (its parallel call's hand-offs cost more than a few short texts)."""
         c = self.chunker
         if self.bpe is not None:
-            return [[ids] for ids in self.bpe.encode([c.head(t, max_tokens) for t in texts], C_PIECE_BYTES)]
+            return [[ids] for ids in self.bpe.encode([c.head(t, max_tokens) for t in texts], self.piece_bytes)]
         if all(len(t) <= c.chunk_chars for t in texts):  # the common case: every text is one piece
             split = [[t] for t in texts]
         else:
