@@ -42,14 +42,19 @@ def _pid(tile, n_m, n_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _gate_up_gelu_kernel(x_desc, w_desc, o_desc, M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                         GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr):
+def _gate_up_gelu_kernel(x_desc, w_desc, o_desc, s_ptr, M, N, K, BM: tl.constexpr, BN: tl.constexpr,
+                         BK: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr, SCALE: tl.constexpr):
     n_m, n_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
     for tile in tl.range(tl.program_id(0), n_m * n_n, NUM_SMS, flatten=True):
         pm, pn = _pid(tile, n_m, n_n, GROUP_M)
+        if SCALE:  # x's rows are unnormalised: their RMSNorm scale (its weight is folded into w), loaded before
+            rows = pm * BM + tl.arange(0, BM)  # the K loop so that its latency hides behind it
+            scale = tl.load(s_ptr + rows, mask=rows < M, other=0.0)[:, None]
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         for k in range(0, tl.cdiv(K, BK)):
             acc = tl.dot(x_desc.load([pm * BM, k * BK]), w_desc.load([pn * BN, k * BK]).T, acc)
+        if SCALE:
+            acc = acc * scale
         g, u = tl.split(tl.reshape(acc, (BM, BN // 2, 2)))  # [BM, BN / 2] each
         o_desc.store([pm * BM, pn * (BN // 2)], gelu_tanh_mul(g, u).to(o_desc.dtype))
 
@@ -59,8 +64,10 @@ def supported(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
-def gate_up_gelu(x: torch.Tensor, w_gate_up: torch.Tensor, tile: Tile) -> torch.Tensor:
-    """native.gate_up_gelu(x, w_gate_up) in one kernel: x [T, D], w_gate_up [2I, D] interleaved -> [T, I]."""
+def gate_up_gelu(x: torch.Tensor, w_gate_up: torch.Tensor, tile: Tile,
+                 rstd: torch.Tensor | None = None) -> torch.Tensor:
+    """native.gate_up_gelu(x, w_gate_up, rstd) in one kernel: x [T, D], w_gate_up [2I, D] interleaved, rstd fp32 [T]
+    (each row's scale before gelu, or none) -> [T, I]."""
     T, K = x.shape
     N = w_gate_up.shape[0]
     if not (x.is_contiguous() and w_gate_up.is_contiguous()) or (K * x.element_size()) % 16 or \
@@ -74,6 +81,7 @@ def gate_up_gelu(x: torch.Tensor, w_gate_up: torch.Tensor, tile: Tile) -> torch.
         n = min(tiles, sms)
         desc = TensorDescriptor.from_tensor
         _gate_up_gelu_kernel[(n,)](desc(x, [tile.bm, tile.bk]), desc(w_gate_up, [tile.bn, tile.bk]),
-                                   desc(out, [tile.bm, tile.bn // 2]), T, N, K, tile.bm, tile.bn, tile.bk, 8, n,
-                                   num_stages=tile.stages, num_warps=tile.warps)
+                                   desc(out, [tile.bm, tile.bn // 2]), x if rstd is None else rstd, T, N, K,
+                                   tile.bm, tile.bn, tile.bk, 8, n, rstd is not None, num_stages=tile.stages,
+                                   num_warps=tile.warps)
     return out

@@ -23,8 +23,17 @@ def gelu_tanh_and_mul(gate_up):
     return F.gelu(gate_up[:, 0::2], approximate="tanh") * gate_up[:, 1::2]
 
 
-def gate_up_gelu(x, w_gate_up):  # the MLP's first half: [T, D] @ [2I, D] (interleaved) -> [T, I]
-    return gelu_tanh_and_mul(x @ w_gate_up.T)
+def gate_up_gelu(x, w_gate_up, rstd=None):
+    """The MLP's first half: [T, D] @ [2I, D] (interleaved) -> [T, I]; rstd fp32 [T]: each row's scale before gelu."""
+    gu = x @ w_gate_up.T
+    return gelu_tanh_and_mul(gu if rstd is None else (gu.float() * rstd[:, None]).to(gu.dtype))
+
+
+def mlp_up(x, residual, w_post, w_gate_up, eps):
+    """The attention block's end and the MLP's first half: x = rmsnorm(x, w_post); residual += x; returns
+    gelu_tanh_and_mul(rmsnorm(residual) @ w_gate_up.T) [T, I], where the pre-MLP norm's (1 + w) is folded into
+    w_gate_up's columns (egemma.engine.weights.FOLDED), so the norm here has none."""
+    return gate_up_gelu(norm_add_norm(x, residual, w_post, torch.zeros_like(w_post), eps), w_gate_up)
 
 
 def mean_pool(x, cu_seqlens, n):

@@ -1,6 +1,7 @@
 """Backend choice, made once at load by timing and logged: all autotuning lives here, with one timer. Elementwise
-ops: sgl-kernel / Triton-lang / torch-native, the fastest per op. The MLP's gate_up GEMM + gelu_and_mul: cuBLAS and
-that op, or one fused kernel (kernels.fused_gemm) in one of its tiles, the fastest per token bucket. Attention: FA3
+ops: sgl-kernel / Triton-lang / torch-native, the fastest per op. The MLP's first half (mlp_up: the norms around the
+residual add, the gate_up GEMM, gelu_and_mul): norm_add_norm + cuBLAS + gelu_and_mul, or a norm that only computes
+each row's scale + one fused GEMM (kernels.fused_gemm) in one of its tiles, the fastest per token bucket. Attention: FA3
 (flash_attn_interface) / torch's built-in FA2 / native SDPA, the fastest per CUDA graph and layer type. Every choice
 computes the same function as `kernels.native` up to bf16 rounding; asking for a backend that is not installed is an
 error, never a silent fallback."""
@@ -10,7 +11,6 @@ import bisect
 import importlib.util
 import logging
 from dataclasses import dataclass
-from functools import partial
 from typing import Callable
 
 import torch
@@ -29,7 +29,7 @@ class Ops:
     rmsnorm: Callable  # (x, w, eps) -> out
     norm_add_norm: Callable  # (x, residual, w_post, w_pre, eps) -> out; residual updated in place
     gelu_tanh_and_mul: Callable  # (gate_up, gate and up columns interleaved) -> out
-    gate_up_gelu: Callable  # (x, w_gate_up) -> gelu_tanh_and_mul(x @ w_gate_up.T), perhaps as one kernel
+    mlp_up: Callable  # (x, residual, w_post, w_gate_up, eps) -> native.mlp_up: [T, I]; residual updated in place
     qk_norm_rope: Callable  # (qkv, pos, q_w, k_w, cos, sin, heads, kv_heads, eps) -> q, k, v
     mean_pool: Callable  # (x, cu_seqlens, n) -> fp32 [n, D]
 
@@ -98,60 +98,73 @@ def time_ms(fn, *args, reps: int = 5, inner: int = 5, capture: bool = True) -> f
     return sorted(runs)[len(runs) // 2]
 
 
-def _unfused(gelu: Callable) -> Callable:
-    return lambda x, w: gelu(x @ w.T)
+def _unfused(norm_add_norm: Callable, gelu: Callable, unit: torch.Tensor) -> Callable:
+    """mlp_up as norm_add_norm (with a unit pre-norm weight: its (1 + w) is folded into w_gate_up), cuBLAS, gelu."""
+    return lambda x, residual, w_post, w, eps: gelu(norm_add_norm(x, residual, w_post, unit, eps) @ w.T)
 
 
-def pick_gate_up(gelu: Callable, device, dtype, hidden: int, intermediate: int, buckets: list[int],
-                 layers: int = 24) -> tuple[Callable, str]:
-    """gate_up_gelu: per token bucket the fastest of cuBLAS + gelu and the fused kernel's tiles (bf16 on Hopper,
-    with rows TMA can load: 16-byte aligned; elsewhere, and in fp32, where Triton's dot would round to tf32, cuBLAS +
-    gelu). Each candidate is timed over `layers` different weights, as the forward reads them (one weight would sit
-    in L2 and flatter the small buckets). A batch takes the choice of the smallest bucket that holds it. Returns it
-    and a summary for the log."""
-    unfused = _unfused(gelu)
+def _fused(tile) -> Callable:
+    """mlp_up as a norm that writes only each row's scale, and the GEMM that applies it in its gelu epilogue: the
+    normalised [T, D] activations are never written."""
+    from egemma.kernels import fused_gemm, triton_ops
+
+    def mlp_up(x, residual, w_post, w, eps):
+        return fused_gemm.gate_up_gelu(residual, w, tile, triton_ops.norm_add_rstd(x, residual, w_post, eps))
+    return mlp_up
+
+
+def pick_mlp_up(unfused: Callable, device, dtype, hidden: int, intermediate: int, buckets: list[int],
+                layers: int = 24) -> tuple[Callable, str]:
+    """mlp_up: per token bucket the fastest of `unfused` (norm_add_norm + cuBLAS + gelu) and the fused kernel's tiles
+    (bf16 on Hopper, with rows TMA can load: 16-byte aligned; elsewhere, and in fp32, where Triton's dot would round
+    to tf32, unfused). Each candidate is timed over `layers` different weights, as the forward reads them (one weight
+    would sit in L2 and flatter the small buckets). A batch takes the choice of the smallest bucket that holds it.
+    Returns it and a summary for the log."""
     if not buckets or dtype != torch.bfloat16 or device.type != "cuda" or not _have("triton") \
             or hidden % 8 or intermediate % 8:
-        return unfused, "cublas+gelu"
+        return unfused, "norm+cublas+gelu"
     from triton.runtime.errors import OutOfResources
 
     from egemma.kernels import fused_gemm
     if not fused_gemm.supported(device):
-        return unfused, "cublas+gelu"
+        return unfused, "norm+cublas+gelu"
     ws = [torch.randn(2 * intermediate, hidden, device=device, dtype=dtype) / hidden ** 0.5 for _ in range(layers)]
-    cands = {"cublas+gelu": unfused, **{str(t): partial(fused_gemm.gate_up_gelu, tile=t) for t in fused_gemm.TILES}}
+    w_post = torch.randn(hidden, device=device, dtype=dtype) * 0.1
+    cands = {"norm+cublas+gelu": unfused, **{str(t): _fused(t) for t in fused_gemm.TILES}}
     names = []
     for t in buckets:
         x = torch.randn(t, hidden, device=device, dtype=dtype)
+        residual = torch.randn(t, hidden, device=device, dtype=dtype) * 10
         times = {}
         for name, f in list(cands.items()):
             def layers_of(f=f):  # each output freed before the next: one graph pool's worth, not 24
                 for w in ws:
-                    f(x, w)
+                    f(x, residual, w_post, w, 1e-6)
             try:
                 times[name] = time_ms(layers_of, inner=1)
             except OutOfResources as e:  # a tile too large for this GPU's shared memory: not a candidate here
-                log.info("egemma: gate_up_gelu tile %s does not fit %s: %s", name, device, e)
+                log.info("egemma: mlp_up tile %s does not fit %s: %s", name, device, e)
                 del cands[name]
         names.append(min(times, key=times.get))
     del ws
     fns = [cands[n] for n in names]
 
-    def gate_up_gelu(x, w):
-        return fns[min(bisect.bisect_left(buckets, x.shape[0]), len(buckets) - 1)](x, w)
+    def mlp_up(x, residual, w_post, w, eps):
+        return fns[min(bisect.bisect_left(buckets, x.shape[0]), len(buckets) - 1)](x, residual, w_post, w, eps)
     runs = [(buckets[i], names[i]) for i in range(len(names)) if i == 0 or names[i] != names[i - 1]]
-    return gate_up_gelu, ", ".join(f"{n} from {b}" for b, n in runs)
+    return mlp_up, ", ".join(f"{n} from {b}" for b, n in runs)
 
 
 def make_ops(backend: str, device: torch.device, dtype=torch.bfloat16, hidden=768, intermediate=1152,
              tokens=16384, buckets: list[int] | None = None, layers: int = 24) -> Ops:
     """backend: one of NORM_BACKENDS for every elementwise op (sgl-kernel: its norms, with Triton-lang's
     gelu_tanh_and_mul), or 'auto': on CUDA each op takes the fastest available backend, timed here on [tokens,
-    hidden] data. gate_up_gelu: with 'auto' and buckets, timed per bucket over `layers` weights (pick_gate_up);
-    otherwise cuBLAS + the chosen gelu_tanh_and_mul."""
+    hidden] data. mlp_up: with 'auto' and buckets, timed per bucket over `layers` weights (pick_mlp_up); otherwise
+    the chosen norm_add_norm + cuBLAS + the chosen gelu_tanh_and_mul."""
     have = available_norm_backends(device)
     if backend != "auto" and backend not in have:
         raise RuntimeError(f"norm backend {backend!r} is not available on {device} (available: {have})")
+    unit = torch.zeros(hidden, device=device, dtype=dtype)  # a norm weight w with (1 + w) = 1
     fused = dict(qk_norm_rope=native.qk_norm_rope, mean_pool=native.mean_pool)  # no library has these
     if device.type == "cuda" and _have("triton"):
         from egemma.kernels import triton_ops
@@ -159,7 +172,7 @@ def make_ops(backend: str, device: torch.device, dtype=torch.bfloat16, hidden=76
     if backend != "auto" or len(have) == 1:
         name = have[0] if backend == "auto" else backend
         ops = {**_backend_ops("triton"), **_backend_ops(name)} if name == "sgl-kernel" else _backend_ops(name)
-        return Ops(name, **fused, **ops, gate_up_gelu=_unfused(ops["gelu_tanh_and_mul"]))
+        return Ops(name, **fused, **ops, mlp_up=_unfused(ops["norm_add_norm"], ops["gelu_tanh_and_mul"], unit))
     x = torch.randn(tokens, hidden, device=device, dtype=dtype)
     h = torch.randn(tokens, hidden, device=device, dtype=dtype)
     w = torch.randn(hidden, device=device, dtype=dtype)
@@ -172,9 +185,9 @@ def make_ops(backend: str, device: torch.device, dtype=torch.bfloat16, hidden=76
         best = min(times, key=times.get)
         chosen[op] = cands[best][op]
         names.append(f"{op}={best}")
-    gate_up, how = pick_gate_up(chosen["gelu_tanh_and_mul"], device, dtype, hidden, intermediate, buckets or [],
-                                layers)
-    return Ops(",".join(names) + f",gate_up_gelu=[{how}]", **fused, **chosen, gate_up_gelu=gate_up)
+    mlp_up, how = pick_mlp_up(_unfused(chosen["norm_add_norm"], chosen["gelu_tanh_and_mul"], unit), device, dtype,
+                              hidden, intermediate, buckets or [], layers)
+    return Ops(",".join(names) + f",mlp_up=[{how}]", **fused, **chosen, mlp_up=mlp_up)
 
 
 def attention_fn(backend: str) -> Callable:
@@ -185,8 +198,10 @@ def attention_fn(backend: str) -> Callable:
         from flash_attn_interface import flash_attn_varlen_func
 
         def fa3(q, k, v, cu, max_seqlen, window, scale):
+            # pack_gqa=False: its default for varlen packs the 3 q heads a k head into one tile, 2-6% slower here
+            # (8 x 2048: 61.9 against 63.1 us a sliding layer, 147 against 151 a global one; perf/RESULTS.md run 59)
             out = flash_attn_varlen_func(q, k, v, cu, cu, max_seqlen, max_seqlen, softmax_scale=scale,
-                                         causal=False, window_size=(window, window))
+                                         causal=False, window_size=(window, window), pack_gqa=False)
             return out[0] if isinstance(out, tuple) else out
         return fa3
     if backend == "fa2":

@@ -8,7 +8,7 @@ import triton.language as tl
 
 @triton.jit
 def _rmsnorm_kernel(x_ptr, res_ptr, w_post_ptr, w_ptr, out_ptr, D, eps, sx, sr, so,
-                    NORM_ADD: tl.constexpr, BLOCK: tl.constexpr):
+                    NORM_ADD: tl.constexpr, RSTD: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     m = cols < D
@@ -20,26 +20,39 @@ def _rmsnorm_kernel(x_ptr, res_ptr, w_post_ptr, w_ptr, out_ptr, D, eps, sx, sr, 
         x = x.to(res_ptr.dtype.element_ty)  # the reference normalises the stored (rounded) residual
         tl.store(res_ptr + row * sr + cols, x, mask=m)
         x = x.to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
     r = tl.rsqrt(tl.sum(x * x, 0) / D + eps)
-    tl.store(out_ptr + row * so + cols, (x * r * (1.0 + w)).to(out_ptr.dtype.element_ty), mask=m)
+    if RSTD:  # the row's scale only: the GEMM after it applies it (the norm's weight is folded into the GEMM's)
+        tl.store(out_ptr + row, r)
+    else:
+        w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * so + cols, (x * r * (1.0 + w)).to(out_ptr.dtype.element_ty), mask=m)
+
+
+def _norm(x, res, w_post, w, out, eps, norm_add, rstd=False):
+    if x.shape[0]:
+        # 2 warps a row on large batches (more rows resident): 16k tokens 27.5 against 28.7 us with the default 4
+        # (perf/RESULTS.md runs 57-58)
+        _rmsnorm_kernel[(x.shape[0],)](x, res, w_post, w, out, x.shape[1], eps, x.stride(0), res.stride(0),
+                                       out.stride(0), NORM_ADD=norm_add, RSTD=rstd,
+                                       BLOCK=triton.next_power_of_2(x.shape[1]),
+                                       num_warps=2 if x.shape[0] >= 4096 else 4)
+    return out
 
 
 def rmsnorm(x, w, eps):  # [T, D] -> [T, D]
-    out = torch.empty_like(x)
-    if x.shape[0]:
-        _rmsnorm_kernel[(x.shape[0],)](x, x, w, w, out, x.shape[1], eps, x.stride(0), 0, out.stride(0),
-                                       NORM_ADD=False, BLOCK=triton.next_power_of_2(x.shape[1]))
-    return out
+    return _norm(x, x, w, w, torch.empty_like(x), eps, False)
 
 
 def norm_add_norm(x, residual, w_post, w_pre, eps):
     """x = rmsnorm(x, w_post); residual += x; returns rmsnorm(residual, w_pre), written over x: one pass."""
-    if x.shape[0]:
-        _rmsnorm_kernel[(x.shape[0],)](x, residual, w_post, w_pre, x, x.shape[1], eps, x.stride(0),
-                                       residual.stride(0), x.stride(0), NORM_ADD=True,
-                                       BLOCK=triton.next_power_of_2(x.shape[1]))
-    return x
+    return _norm(x, residual, w_post, w_pre, x, eps, True)
+
+
+def norm_add_rstd(x, residual, w_post, eps):
+    """As norm_add_norm, but returns only the residual's rsqrt(mean(residual^2) + eps) per row, fp32 [T]: for a GEMM
+    that scales its rows by it, with the norm's (1 + w) folded into its weight (kernels.fused_gemm)."""
+    return _norm(x, residual, w_post, w_post, torch.empty(x.shape[0], dtype=torch.float32, device=x.device), eps,
+                 True, rstd=True)
 
 
 @triton.jit
@@ -127,15 +140,19 @@ def _qk_norm_rope_kernel(qkv_ptr, pos_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_p
     tl.store(kdst + HALF, o2, mask=is_k)
 
 
-def qk_norm_rope(qkv, pos, q_w, k_w, cos, sin, heads, kv_heads, eps):
+def qk_norm_rope(qkv, pos, q_w, k_w, cos, sin, heads, kv_heads, eps, *, warps=0):
     """One pass over the qkv GEMM output: q/k RMSNorm per head then RoPE from the cos/sin tables.
-    qkv [T, (H + 2 Hkv) * Dh] -> q [T, H, Dh], k [T, Hkv, Dh] (new), v [T, Hkv, Dh] (a view of qkv)."""
+    qkv [T, (H + 2 Hkv) * Dh] -> q [T, H, Dh], k [T, Hkv, Dh] (new), v [T, Hkv, Dh] (a view of qkv).
+    warps: a launch override for perf/bench_norms.py."""
     T = qkv.shape[0]
     dh = q_w.shape[0]
     q = torch.empty((T, heads, dh), dtype=qkv.dtype, device=qkv.device)
     k = torch.empty((T, kv_heads, dh), dtype=qkv.dtype, device=qkv.device)
     if T:
+        # 1 warp a token on large batches (more tokens resident): 16k tokens 20 against 24 us with the default 4
+        # (perf/RESULTS.md runs 57-58); on small ones the warps made no difference
         _qk_norm_rope_kernel[(T,)](qkv, pos, q_w, k_w, cos, sin, q, k, qkv.stride(0), eps, H=heads, HKV=kv_heads,
-                                   NH=triton.next_power_of_2(heads + kv_heads), HALF=dh // 2)
+                                   NH=triton.next_power_of_2(heads + kv_heads), HALF=dh // 2,
+                                   num_warps=warps or (1 if T >= 4096 else 4))
     v = qkv.view(T, heads + 2 * kv_heads, dh)[:, heads + kv_heads:]
     return q, k, v

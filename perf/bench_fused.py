@@ -1,7 +1,7 @@
 """The fused gate_up + gelu_and_mul GEMM (kernels/fused_gemm.py) in each tile against cuBLAS + a separate
 gelu_and_mul, on Gemma's shapes, at each token count: 24 layers' worth of different weights in one CUDA graph (as
 in the forward), median us per layer. cublas+sgl-kernel is the layout before the interleaved gate_up (sgl-kernel's
-op reads [gate | up] halves), for comparison.
+op reads [gate | up] halves), for comparison; "row-scaled": with the folded pre-MLP norm's row scale in the epilogue.
 
   python perf/bench_fused.py [--tokens 16,64,...]"""
 import argparse
@@ -38,9 +38,11 @@ def main():
         x = torch.randn(T, D, device=dev, dtype=dt) * 3
         row = {f"cublas+{name}": per_layer(lambda i: g(x @ w[i].T)) for name, g in gelus.items()}
         ref = native.gate_up_gelu(x, w[0]).float()
+        rstd = torch.rand(T, device=dev) + 0.5
         for t in fg.TILES:
             err = (fg.gate_up_gelu(x, w[0], t).float() - ref).abs().max().item() / ref.abs().max().item()
             row[f"fused {t} (err {err:.0e})"] = per_layer(lambda i: fg.gate_up_gelu(x, w[i], t))
+            row[f"fused {t} row-scaled"] = per_layer(lambda i: fg.gate_up_gelu(x, w[i], t, rstd))
         best = min(v for k, v in row.items() if k.startswith("fused"))
         print(f"gate_up T={T}: " + ", ".join(f"{k} {v:.1f} us" for k, v in row.items()) +
               f"; best fused {2 * T * D * 2 * I / best / 1e6:.0f} TFLOP/s", flush=True)

@@ -9,6 +9,7 @@
 #   engine               GPU tests, profile, engine benchmark
 #   tests                only the GPU tests (tests/test_kernels.py, tests/test_gpu.py)
 #   fused                perf/bench_fused.py: the fused gate_up + gelu GEMM against cuBLAS + gelu_and_mul, per size
+#   norms                perf/bench_norms.py: the row-wise kernels against a copy of the same bytes, per warp count
 #   profile              only perf/profile_engine.py (kernels by group)
 #   serve                serving benchmark (perf/bench_serve.py) incl. the sentence-transformers baseline and
 #                        the instance-count sweep in $EGEMMA_SWEEP (space-separated MODEL=N,MODEL=N variants);
@@ -65,6 +66,7 @@ for step in "$@"; do
       EGEMMA_FULL_CHECKPOINT="$FULL" python3 -m pytest -q -rs -p no:cacheprovider tests/test_kernels.py tests/test_gpu.py \
         2>&1 | tee "$OUT/gpu_tests.log" | tail -n 25 ;;
     fused) python3 perf/bench_fused.py 2>&1 | tee "$OUT/bench_fused.log" ;;
+    norms) python3 perf/bench_norms.py 2>&1 | tee "$OUT/bench_norms.log" ;;
     profile)
       python3 perf/profile_engine.py "$FULL" > "$OUT/profile_engine.log" 2>&1; grep -A3 "^== " "$OUT/profile_engine.log" | cut -c1-150 ;;
     serve)

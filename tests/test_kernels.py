@@ -6,7 +6,7 @@ import torch
 CUDA = torch.cuda.is_available()  # without one, conftest.py put Triton in interpreter mode
 pytest.importorskip("triton")
 
-from egemma.kernels import fused_gemm, native, triton_ops  # noqa: E402
+from egemma.kernels import fused_gemm, native, select, triton_ops  # noqa: E402
 from egemma.kernels.select import available_norm_backends, make_ops  # noqa: E402
 
 DEV = torch.device("cuda" if CUDA else "cpu")
@@ -68,13 +68,30 @@ TILES = fused_gemm.TILES if CUDA else (fused_gemm.Tile(16, 32, 32, 2, 4), fused_
 
 @pytest.mark.parametrize("T,D,I", GATE_UP)
 def test_gate_up_gelu(T, D, I):
+    """Every tile, with and without a row scale (the folded norm's)."""
     x, w = rand(T, D, scale=3), rand(2 * I, D, scale=D ** -0.5)
-    want = native.gate_up_gelu(x, w)
+    rstd = torch.rand(T, device=DEV) + 0.5
+    want, want_scaled = native.gate_up_gelu(x, w), native.gate_up_gelu(x, w, rstd)
     for tile in TILES:
         close(fused_gemm.gate_up_gelu(x, w, tile), want)
+        close(fused_gemm.gate_up_gelu(x, w, tile, rstd), want_scaled)
+
+
+@pytest.mark.parametrize("T,D,I", GATE_UP)
+def test_mlp_up(T, D, I):
+    """The row-scale norm + each fused tile, and on the GPU what make_ops picks per token bucket, against
+    native.mlp_up (norm_add_norm with a unit pre-norm, GEMM, gelu), the residual updated alike."""
+    x, r = rand(T, D, scale=3), rand(T, D, scale=10)
+    w_post, w = rand(D, scale=0.5), rand(2 * I, D, scale=D ** -0.5)
+    r_want = r.clone()
+    want = native.mlp_up(x.clone(), r_want, w_post, w, 1e-6)
+    cands = [select._fused(t) for t in TILES]
     if CUDA:
-        ops = make_ops("auto", DEV, DTYPE, D, I, 1024, [16, 64, 1024])
-        close(ops.gate_up_gelu(x, w), want)
+        cands.append(make_ops("auto", DEV, DTYPE, D, I, 1024, [16, 64, 1024]).mlp_up)
+    for f in cands:
+        r_got = r.clone()
+        close(f(x.clone(), r_got, w_post, w, 1e-6), want)
+        close(r_got, r_want)
 
 
 @pytest.mark.parametrize("T", SIZES)

@@ -3,7 +3,8 @@
 Shapes: T packed tokens, B sequences, D hidden, H / Hkv heads, Dh head_dim, I intermediate.
 The residual stream is threaded through the layers so that every residual add is fused with the post-norm before
 it and the pre-norm after it (`norm_add_norm`); q/k/v and gate/up are joined into one GEMM each at load
-(egemma.engine.weights), and gelu_and_mul may run in the gate_up GEMM's epilogue (`gate_up_gelu`)."""
+(egemma.engine.weights), and the pre-MLP norm's weight is folded into gate_up's, so that `mlp_up` may run that norm
+as a row scale in the gate_up GEMM's epilogue, with gelu_and_mul."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -40,13 +41,12 @@ class Packed:
 class Layer:
     qkv: torch.Tensor  # [(H + 2 Hkv) Dh, D]
     o: torch.Tensor  # [D, H Dh]
-    gate_up: torch.Tensor  # [2I, D], gate and up rows interleaved (egemma.engine.weights.INTERLEAVED)
+    gate_up: torch.Tensor  # [2I, D], gate and up rows interleaved, pre_feedforward_layernorm's (1 + w) folded in
     down: torch.Tensor  # [D, I]
     q_norm: torch.Tensor  # [Dh]
     k_norm: torch.Tensor
     input_norm: torch.Tensor  # [D] each
     post_attn_norm: torch.Tensor
-    pre_ff_norm: torch.Tensor
     post_ff_norm: torch.Tensor
     sliding: bool
 
@@ -80,9 +80,9 @@ class Encoder:
             q, k, v = ops.qk_norm_rope(x @ L.qkv.T, b.pos, L.q_norm, L.k_norm, cos, sin, c.heads, c.kv_heads, c.eps)
             a = attn[0 if L.sliding else 1](q, k, v, b.cu_seqlens, b.max_seqlen,
                                              c.window if L.sliding else -1, c.attn_scale)  # [T, H, Dh]
-            x = ops.norm_add_norm(a.reshape(a.shape[0], -1) @ L.o.T, h, L.post_attn_norm, L.pre_ff_norm, c.eps)
+            y = ops.mlp_up(a.reshape(a.shape[0], -1) @ L.o.T, h, L.post_attn_norm, L.gate_up, c.eps)  # [T, I]
             nxt = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.final_norm
-            x = ops.norm_add_norm(ops.gate_up_gelu(x, L.gate_up) @ L.down.T, h, L.post_ff_norm, nxt, c.eps)
+            x = ops.norm_add_norm(y @ L.down.T, h, L.post_ff_norm, nxt, c.eps)
         return x
 
     def embed_packed(self, b: Packed, n: int, ops: Ops, attn: tuple[Callable, Callable]) -> torch.Tensor:

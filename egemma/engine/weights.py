@@ -33,6 +33,9 @@ LAYER: dict[str, tuple[str, Shape]] = {
 # before up above), so that the fused gate_up + gelu kernel finds each pair in adjacent accumulator columns
 # (kernels/fused_gemm.py); every gelu_and_mul reads that order.
 INTERLEAVED = {"gate_up"}
+# Norms whose (1 + w) is multiplied into the columns of the GEMM they feed, at load in fp32: the norm then only
+# scales each row, which the GEMM's epilogue can do (egemma.kernels.select, mlp_up), and its output is never written.
+FOLDED = {"pre_ff_norm": "gate_up"}
 GLOBAL: dict[str, tuple[str, Shape]] = {
     "embed_tokens": ("embed", lambda c: (c.vocab_size, c.hidden)),
     "norm": ("final_norm", lambda c: (c.hidden,)),
@@ -73,8 +76,11 @@ def _fields(w: dict, table: dict, prefix: str, device, dtype) -> dict[str, torch
     parts: dict[str, list] = {}
     for name, (field, _) in table.items():
         parts.setdefault(field, []).append(w.pop(f"{prefix}{name}.weight"))
-    return {f: (torch.stack(p, 1).flatten(0, 1) if f in INTERLEAVED else torch.cat(p)).to(device=device, dtype=dtype)
-            .contiguous() for f, p in parts.items()}
+    f = {f: torch.stack(p, 1).flatten(0, 1) if f in INTERLEAVED else torch.cat(p) for f, p in parts.items()}
+    for norm, gemm in FOLDED.items():  # on the host: fp32 copies on the GPU would stay in its allocator's cache
+        if norm in f:
+            f[gemm] = f[gemm].float() * (1.0 + f.pop(norm).float())
+    return {k: v.to(device=device, dtype=dtype).contiguous() for k, v in f.items()}
 
 
 def load(c: ModelConfig, device, dtype) -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]]]:
