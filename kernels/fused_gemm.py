@@ -1,9 +1,11 @@
 """The MLP's gate_up GEMM with gelu_tanh(gate) * up in its epilogue (Triton-lang, TMA loads, one persistent
 program per SM): the [T, 2I] GEMM output never goes to memory and one kernel per layer goes. The weight's rows are
 interleaved at load (egemma.engine.weights: gate j, up j as rows 2j, 2j + 1), so a gate and its up are two adjacent
-accumulator columns, which the wgmma layout keeps in one thread: splitting them costs nothing.
-Reference: native.gate_up_gelu (tests/test_kernels.py). On the H200 it beats cuBLAS + a separate gelu_and_mul from
-~8k tokens (perf/RESULTS.md runs 51-52); the choice is timed per token bucket at load (egemma.kernels.select)."""
+accumulator columns, which the wgmma layout keeps in one thread: splitting them costs nothing. With a row scale
+(the pre-MLP RMSNorm's, its weight folded into w at load) x is the unnormalised residual and the norm's output is
+never written. Reference: native.gate_up_gelu (tests/test_kernels.py). Whether it beats norm + cuBLAS + a separate
+gelu_and_mul is timed per token bucket at load (egemma.kernels.select, mlp_up): on the H200 it is picked for most
+buckets from 16 tokens on (perf/RESULTS.md runs 61, 66)."""
 from dataclasses import dataclass
 
 import torch
@@ -47,8 +49,9 @@ def _gate_up_gelu_kernel(x_desc, w_desc, o_desc, s_ptr, M, N, K, BM: tl.constexp
     n_m, n_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
     for tile in tl.range(tl.program_id(0), n_m * n_n, NUM_SMS, flatten=True):
         pm, pn = _pid(tile, n_m, n_n, GROUP_M)
-        if SCALE:  # x's rows are unnormalised: their RMSNorm scale (its weight is folded into w), loaded before
-            rows = pm * BM + tl.arange(0, BM)  # the K loop so that its latency hides behind it
+        # x's rows are unnormalised: their RMSNorm scale, loaded before the K loop so that its latency hides there
+        if SCALE:
+            rows = pm * BM + tl.arange(0, BM)
             scale = tl.load(s_ptr + rows, mask=rows < M, other=0.0)[:, None]
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         for k in range(0, tl.cdiv(K, BK)):
@@ -74,6 +77,10 @@ def gate_up_gelu(x: torch.Tensor, w_gate_up: torch.Tensor, tile: Tile,
             (N // 2 * x.element_size()) % 16:
         raise ValueError(f"gate_up_gelu: TMA needs contiguous rows of a multiple of 16 bytes (x {tuple(x.shape)}, "
                          f"w {tuple(w_gate_up.shape)}, {x.dtype})")
+    if rstd is not None and not (rstd.shape == (T,) and rstd.dtype == torch.float32 and rstd.is_contiguous()
+                                 and rstd.device == x.device):
+        raise ValueError(f"gate_up_gelu: rstd must be contiguous fp32 [{T}] on {x.device}, got "
+                         f"{rstd.dtype} {tuple(rstd.shape)} on {rstd.device}")
     out = torch.empty((T, N // 2), dtype=x.dtype, device=x.device)
     if T:
         tiles = triton.cdiv(T, tile.bm) * triton.cdiv(N, tile.bn)

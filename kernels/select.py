@@ -98,8 +98,21 @@ def time_ms(fn, *args, reps: int = 5, inner: int = 5, capture: bool = True) -> f
     return sorted(runs)[len(runs) // 2]
 
 
+def time_layers(fn: Callable, layers: int, reps: int = 5) -> float:
+    """Median GPU ms of one fn(i), i in range(layers), from one graph of all of them: each i reads its own weights or
+    buffers, as the forward's layers do (one set would sit in L2 and flatter small sizes)."""
+    def all_layers():
+        for i in range(layers):
+            fn(i)
+    return time_ms(all_layers, reps=reps, inner=1) / layers
+
+
+UNFUSED = "norm+cublas+gelu"
+
+
 def _unfused(norm_add_norm: Callable, gelu: Callable, unit: torch.Tensor) -> Callable:
-    """mlp_up as norm_add_norm (with a unit pre-norm weight: its (1 + w) is folded into w_gate_up), cuBLAS, gelu."""
+    """mlp_up as norm_add_norm (with a unit pre-norm weight, zeros of the model's width: its (1 + w) is folded into
+    w_gate_up), cuBLAS, gelu."""
     return lambda x, residual, w_post, w, eps: gelu(norm_add_norm(x, residual, w_post, unit, eps) @ w.T)
 
 
@@ -117,31 +130,27 @@ def pick_mlp_up(unfused: Callable, device, dtype, hidden: int, intermediate: int
                 layers: int = 24) -> tuple[Callable, str]:
     """mlp_up: per token bucket the fastest of `unfused` (norm_add_norm + cuBLAS + gelu) and the fused kernel's tiles
     (bf16 on Hopper, with rows TMA can load: 16-byte aligned; elsewhere, and in fp32, where Triton's dot would round
-    to tf32, unfused). Each candidate is timed over `layers` different weights, as the forward reads them (one weight
-    would sit in L2 and flatter the small buckets). A batch takes the choice of the smallest bucket that holds it.
-    Returns it and a summary for the log."""
+    to tf32, unfused), each timed over `layers` different weights (time_layers). A batch takes the choice of the
+    smallest bucket that holds it. Returns it and a summary for the log."""
     if not buckets or dtype != torch.bfloat16 or device.type != "cuda" or not _have("triton") \
             or hidden % 8 or intermediate % 8:
-        return unfused, "norm+cublas+gelu"
+        return unfused, UNFUSED
     from triton.runtime.errors import OutOfResources
 
     from egemma.kernels import fused_gemm
     if not fused_gemm.supported(device):
-        return unfused, "norm+cublas+gelu"
+        return unfused, UNFUSED
     ws = [torch.randn(2 * intermediate, hidden, device=device, dtype=dtype) / hidden ** 0.5 for _ in range(layers)]
     w_post = torch.randn(hidden, device=device, dtype=dtype) * 0.1
-    cands = {"norm+cublas+gelu": unfused, **{str(t): _fused(t) for t in fused_gemm.TILES}}
+    cands = {UNFUSED: unfused, **{str(t): _fused(t) for t in fused_gemm.TILES}}
     names = []
     for t in buckets:
         x = torch.randn(t, hidden, device=device, dtype=dtype)
         residual = torch.randn(t, hidden, device=device, dtype=dtype) * 10
         times = {}
         for name, f in list(cands.items()):
-            def layers_of(f=f):  # each output freed before the next: one graph pool's worth, not 24
-                for w in ws:
-                    f(x, residual, w_post, w, 1e-6)
-            try:
-                times[name] = time_ms(layers_of, inner=1)
+            try:  # each output freed before the next: one graph pool's worth, not 24
+                times[name] = time_layers(lambda i, f=f: f(x, residual, w_post, ws[i], 1e-6), layers)
             except OutOfResources as e:  # a tile too large for this GPU's shared memory: not a candidate here
                 log.info("egemma: mlp_up tile %s does not fit %s: %s", name, device, e)
                 del cands[name]
@@ -160,7 +169,8 @@ def make_ops(backend: str, device: torch.device, dtype=torch.bfloat16, hidden=76
     """backend: one of NORM_BACKENDS for every elementwise op (sgl-kernel: its norms, with Triton-lang's
     gelu_tanh_and_mul), or 'auto': on CUDA each op takes the fastest available backend, timed here on [tokens,
     hidden] data. mlp_up: with 'auto' and buckets, timed per bucket over `layers` weights (pick_mlp_up); otherwise
-    the chosen norm_add_norm + cuBLAS + the chosen gelu_tanh_and_mul."""
+    the chosen norm_add_norm + cuBLAS + the chosen gelu_tanh_and_mul. hidden and intermediate are the model's
+    (mlp_up's unit norm weight has the hidden width)."""
     have = available_norm_backends(device)
     if backend != "auto" and backend not in have:
         raise RuntimeError(f"norm backend {backend!r} is not available on {device} (available: {have})")

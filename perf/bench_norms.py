@@ -3,19 +3,14 @@ shapes, against a plain copy of the same bytes (the bandwidth they could reach),
 qk_norm_rope per warp count. 24 layers' worth of different buffers in one CUDA graph, median us per layer.
 
   python perf/bench_norms.py [--tokens 16,1024,16384]"""
-import argparse
-
 import torch
+from bench_fused import D, LAYERS, per_layer, setup
 
 from egemma.kernels import native, triton_ops as t
-from egemma.kernels.select import available_norm_backends, time_ms
+from egemma.kernels.select import available_norm_backends
 
-D, I, H, HKV, DH, LAYERS = 768, 1152, 3, 1, 256, 24
+H, HKV, DH = 3, 1, 256
 WARPS = (1, 2, 4, 8)
-
-
-def per_layer(fn) -> float:
-    return time_ms(lambda: [fn(i) for i in range(LAYERS)], reps=7, inner=1) / LAYERS * 1e3
 
 
 def show(name, T, row, traffic):
@@ -52,14 +47,10 @@ def kernels(T, dev, dt, cos, sin, sgl):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--tokens", default="16,1024,16384")
-    a = ap.parse_args()
-    dev, dt = torch.device("cuda"), torch.bfloat16
-    torch.manual_seed(0)
+    tokens, dev, dt = setup("16,1024,16384")
     sgl = "sgl-kernel" in available_norm_backends(dev)
     cos, sin = native.rope_table(10_000.0, DH, 2048, dev)
-    for T in map(int, a.tokens.split(",")):
+    for T in tokens:
         kernels(T, dev, dt, cos, sin, sgl)
 
 

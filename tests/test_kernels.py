@@ -79,13 +79,15 @@ def test_gate_up_gelu(T, D, I):
 
 @pytest.mark.parametrize("T,D,I", GATE_UP)
 def test_mlp_up(T, D, I):
-    """The row-scale norm + each fused tile, and on the GPU what make_ops picks per token bucket, against
-    native.mlp_up (norm_add_norm with a unit pre-norm, GEMM, gelu), the residual updated alike."""
+    """The row-scale norm + each fused tile, each backend's unfused mlp_up (its norm_add_norm with a unit pre-norm,
+    cuBLAS, gelu), and on the GPU what make_ops picks per token bucket, against native.mlp_up, the residual updated
+    alike."""
     x, r = rand(T, D, scale=3), rand(T, D, scale=10)
     w_post, w = rand(D, scale=0.5), rand(2 * I, D, scale=D ** -0.5)
     r_want = r.clone()
     want = native.mlp_up(x.clone(), r_want, w_post, w, 1e-6)
-    cands = [select._fused(t) for t in TILES]
+    cands = [select._fused(t) for t in TILES] + [make_ops(b, DEV, DTYPE, D, I).mlp_up
+                                                 for b in available_norm_backends(DEV)]
     if CUDA:
         cands.append(make_ops("auto", DEV, DTYPE, D, I, 1024, [16, 64, 1024]).mlp_up)
     for f in cands:

@@ -1,6 +1,7 @@
 """Every Gemma3 weight the encoder loads, in one table: its shape from the config and the fused tensor it joins.
 The table drives strict loading (a missing, unexpected or mis-shaped weight fails naming it), fusing at load
-(q/k/v -> qkv, gate/up -> gate_up: one GEMM each) and the test checkpoint generator."""
+(q/k/v -> qkv, gate/up -> gate_up: one GEMM each; the pre-MLP norm's weight folded into gate_up, FOLDED) and the
+test checkpoint generator."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -76,11 +77,11 @@ def _fields(w: dict, table: dict, prefix: str, device, dtype) -> dict[str, torch
     parts: dict[str, list] = {}
     for name, (field, _) in table.items():
         parts.setdefault(field, []).append(w.pop(f"{prefix}{name}.weight"))
-    f = {f: torch.stack(p, 1).flatten(0, 1) if f in INTERLEAVED else torch.cat(p) for f, p in parts.items()}
+    fields = {f: torch.stack(p, 1).flatten(0, 1) if f in INTERLEAVED else torch.cat(p) for f, p in parts.items()}
     for norm, gemm in FOLDED.items():  # on the host: fp32 copies on the GPU would stay in its allocator's cache
-        if norm in f:
-            f[gemm] = f[gemm].float() * (1.0 + f.pop(norm).float())
-    return {k: v.to(device=device, dtype=dtype).contiguous() for k, v in f.items()}
+        if norm in fields:
+            fields[gemm] = fields[gemm].float() * (1.0 + fields.pop(norm).float())
+    return {k: v.to(device=device, dtype=dtype).contiguous() for k, v in fields.items()}
 
 
 def load(c: ModelConfig, device, dtype) -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]]]:
