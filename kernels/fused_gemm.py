@@ -67,14 +67,19 @@ def supported(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
+def aligned(hidden: int, intermediate: int, dtype: torch.dtype) -> bool:
+    """Whether TMA can load x's and store the output's rows: each a multiple of 16 bytes."""
+    size = torch.empty(0, dtype=dtype).element_size()
+    return (hidden * size) % 16 == 0 and (intermediate * size) % 16 == 0
+
+
 def gate_up_gelu(x: torch.Tensor, w_gate_up: torch.Tensor, tile: Tile,
                  rstd: torch.Tensor | None = None) -> torch.Tensor:
     """native.gate_up_gelu(x, w_gate_up, rstd) in one kernel: x [T, D], w_gate_up [2I, D] interleaved, rstd fp32 [T]
     (each row's scale before gelu, or none) -> [T, I]."""
     T, K = x.shape
     N = w_gate_up.shape[0]
-    if not (x.is_contiguous() and w_gate_up.is_contiguous()) or (K * x.element_size()) % 16 or \
-            (N // 2 * x.element_size()) % 16:
+    if not (x.is_contiguous() and w_gate_up.is_contiguous() and aligned(K, N // 2, x.dtype)):
         raise ValueError(f"gate_up_gelu: TMA needs contiguous rows of a multiple of 16 bytes (x {tuple(x.shape)}, "
                          f"w {tuple(w_gate_up.shape)}, {x.dtype})")
     if rstd is not None and not (rstd.shape == (T,) and rstd.dtype == torch.float32 and rstd.is_contiguous()

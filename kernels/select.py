@@ -132,13 +132,12 @@ def pick_mlp_up(unfused: Callable, device, dtype, hidden: int, intermediate: int
     (bf16 on Hopper, with rows TMA can load: 16-byte aligned; elsewhere, and in fp32, where Triton's dot would round
     to tf32, unfused), each timed over `layers` different weights (time_layers). A batch takes the choice of the
     smallest bucket that holds it. Returns it and a summary for the log."""
-    if not buckets or dtype != torch.bfloat16 or device.type != "cuda" or not _have("triton") \
-            or hidden % 8 or intermediate % 8:
+    if not buckets or dtype != torch.bfloat16 or device.type != "cuda" or not _have("triton"):
         return unfused, UNFUSED
     from triton.runtime.errors import OutOfResources
 
     from egemma.kernels import fused_gemm
-    if not fused_gemm.supported(device):
+    if not (fused_gemm.supported(device) and fused_gemm.aligned(hidden, intermediate, dtype)):
         return unfused, UNFUSED
     ws = [torch.randn(2 * intermediate, hidden, device=device, dtype=dtype) / hidden ** 0.5 for _ in range(layers)]
     w_post = torch.randn(hidden, device=device, dtype=dtype) * 0.1

@@ -63,8 +63,9 @@ class Engine:
             for _ in range(200):
                 x @ x
             torch.cuda.synchronize(self.device)
+        buckets = bucket_sizes(ec.max_tokens)
         self.ops = make_ops(ec.norm_backend, self.device, self.model.dtype, cfg.hidden, cfg.intermediate,
-                            ec.max_tokens, bucket_sizes(ec.max_tokens), cfg.layers)
+                            ec.max_tokens, buckets, cfg.layers)
         have = available_attention_backends(self.device)
         if ec.attention_backend != "auto" and ec.attention_backend not in have:
             raise RuntimeError(f"attention backend {ec.attention_backend!r} is not available on {self.device} "
@@ -72,8 +73,8 @@ class Engine:
         self.attn_candidates = have if ec.attention_backend == "auto" else [ec.attention_backend]
         log.info("egemma: %s on %s %s, norms=%s, attention candidates=%s, loaded in %.1fs", cfg.path,
                  self.device, dtype, self.ops.name, self.attn_candidates, time.perf_counter() - t0)
-        self.graphs = GraphRunner(self.model, self.ops, self.attn_candidates, bucket_sizes(ec.max_tokens),
-                                  ec.max_seqs, capture=ec.cuda_graphs) if self.device.type == "cuda" else None
+        self.graphs = GraphRunner(self.model, self.ops, self.attn_candidates, buckets, ec.max_seqs,
+                                  capture=ec.cuda_graphs) if self.device.type == "cuda" else None
         self.stats = {"graph_replays": 0, "eager_runs": 0, "tokens": 0}
 
     def check(self, ids: np.ndarray, max_len: int | None = None) -> str | None:

@@ -97,12 +97,18 @@ class GraphRunner:
                  before[2] * gib, torch.cuda.max_memory_allocated(dev) * gib)
         return took
 
-    def _forward(self, key: tuple[int, int]) -> torch.Tensor:
-        """The forward from the staged inputs, their copy to the GPU first: inside each graph, so that a replay is
-        one launch (the copy reads the pinned staging buffer when the graph runs)."""
-        t, m = key
+    def _upload(self, t: int) -> GraphVars:
+        """Bucket t's inputs on the GPU, copied from the pinned staging buffer in stream order (in a graph, when
+        the graph runs)."""
         v = self.vars(self.meta, t)
         self.meta[:v.size].copy_(self.staging[:v.size], non_blocking=True)
+        return v
+
+    def _forward(self, key: tuple[int, int]) -> torch.Tensor:
+        """The forward from the staged inputs, their copy to the GPU first: inside each graph, so that a replay is
+        one launch."""
+        t, m = key
+        v = self._upload(t)
         a = self.attn[key]
         b = Packed(v.ids, v.pos, v.cu_seqlens.int(), m)
         return self.model.embed_packed(b, self.slots(t), self.ops, (attention_fn(a[0]), attention_fn(a[1])))
@@ -148,8 +154,7 @@ class GraphRunner:
         c, L = self.model.cfg, self.model.layers[0]
         t, m = key
         self._fill_dummy(key)
-        v = self.vars(self.meta, t)
-        self.meta[:v.size].copy_(self.staging[:v.size])
+        v = self._upload(t)  # the staging buffer is refilled only after the timing below has synchronised
         qkv = torch.randn(t, (c.heads + 2 * c.kv_heads) * c.head_dim, device=self.model.device, dtype=self.model.dtype)
         q, k, vv = self.ops.qk_norm_rope(qkv, v.pos, L.q_norm, L.k_norm, *self.model.rope[True], c.heads,
                                          c.kv_heads, c.eps)
