@@ -10,8 +10,8 @@
 #   tests                only the GPU tests (tests/test_kernels.py, tests/test_gpu.py)
 #   fused                perf/bench_fused.py: the fused gate_up + gelu GEMM against cuBLAS + gelu_and_mul, per size
 #   norms                perf/bench_norms.py: the row-wise kernels against a copy of the same bytes, per warp count
-#   onorm                perf/bench_o_norm.py: a candidate o GEMM with the norm + residual add in its epilogue against
-#                        cuBLAS + norm_add_rstd (checked, then timed per tile)
+#   small                perf/bench_small_batch.py: a candidate, the layer stack as one kernel for small batches, against
+#                        the layered forward (checked, then timed)
 #   profile              only perf/profile_engine.py (kernels by group)
 #   serve                serving benchmark (perf/bench_serve.py) incl. the sentence-transformers baseline and
 #                        the instance-count sweep in $EGEMMA_SWEEP (space-separated MODEL=N,MODEL=N variants);
@@ -69,7 +69,7 @@ for step in "$@"; do
         2>&1 | tee "$OUT/gpu_tests.log" | tail -n 25 ;;
     fused) python3 perf/bench_fused.py 2>&1 | tee "$OUT/bench_fused.log" ;;
     norms) python3 perf/bench_norms.py 2>&1 | tee "$OUT/bench_norms.log" ;;
-    onorm) python3 perf/bench_o_norm.py 2>&1 | tee "$OUT/bench_o_norm.log" ;;
+    small) python3 perf/bench_small_batch.py "$FULL" 2>&1 | tee "$OUT/bench_small_batch.log" ;;
     profile)
       python3 perf/profile_engine.py "$FULL" > "$OUT/profile_engine.log" 2>&1; grep -A3 "^== " "$OUT/profile_engine.log" | cut -c1-150 ;;
     serve)
