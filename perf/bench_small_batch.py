@@ -1,5 +1,5 @@
-"""A candidate for issue #14's small batches, measured and not wired into the engine (it lost: perf/RESULTS.md runs
-67-71): the encoder's whole layer stack as one Triton-lang kernel. At 16 tokens the layered forward is ~190 kernels of
+"""A candidate for issue #14's small batches, measured and not wired into the engine (it lost by 6% at 16 tokens:
+perf/RESULTS.md runs 68-76): the encoder's whole layer stack as one Triton-lang kernel. At 16 tokens the layered forward is ~190 kernels of
 ~3-4 us each, all latency; here one grid of programs passes five grid-wide barriers a layer instead (~0.9 us each on
 the H200). A layer's phases:
   A  the previous layer's post-MLP norm + residual add, the input norm, the qkv GEMM
@@ -14,6 +14,9 @@ it needs from the phase before (a few rows, from L2); the program of column bloc
 other of two buffers, so that no phase reads what it writes. It matches the layered forward with `kernels.native`
 ops up to bf16 rounding. Under TRITON_INTERPRET the programs run one after another and a barrier would wait
 forever, so there each phase is its own launch (sync=False): the same code, the kernel boundary as the barrier.
+
+On the GPU it checks itself against the layered forward, times both in CUDA graphs, then reads its own clock after
+each phase (program 0, %globaltimer) to say which phase costs what.
 
   python perf/bench_small_batch.py CHECKPOINT [--tokens 16,32]    (gpu_run.sh small: checks, then times)
   TRITON_INTERPRET=1 python perf/bench_small_batch.py --check-only  (the check alone, fp32, on CPU)"""
@@ -35,6 +38,7 @@ from egemma.kernels.select import attention_fn, make_ops, time_ms
 from egemma.kernels.triton_ops import gelu_tanh_mul
 
 MAX_TOKENS = 32  # the largest batch it takes: registers hold whole rows
+BN = 16  # output columns a program computes at a time (gate_up: 16 gelu outputs from 32 columns)
 PHASES = 5  # a layer's
 
 
@@ -51,17 +55,6 @@ def _sync(bar, n):
 @triton.jit
 def _clock():
     return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
-
-
-@triton.jit
-def _prefetch(w_ptr, cb, N, K: tl.constexpr, BNW: tl.constexpr, LINES: tl.constexpr):
-    """Ask L2 for column block cb's weight rows (w [N, K] bf16, LINES >= K / 64 128-byte lines a row), without
-    waiting for them."""
-    r = cb * BNW + tl.arange(0, BNW)[:, None]
-    c = tl.arange(0, LINES)[None, :] * 64
-    p = w_ptr + tl.where((r < N) & (c < K), r * K + c, 0)
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [p], dtype=tl.int32,
-                              is_pure=False, pack=1)
 
 
 @triton.jit
@@ -160,8 +153,7 @@ def _layers_kernel(h_a, h_b, qkv_ptr, at_ptr, o_ptr, y_ptr, d_ptr, out_ptr, bar,
                    D: tl.constexpr, I: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr, DH: tl.constexpr,
                    HP: tl.constexpr, NL: tl.constexpr, P: tl.constexpr, BM: tl.constexpr, NCU: tl.constexpr,
                    D1: tl.constexpr, D2: tl.constexpr, I1: tl.constexpr, I2: tl.constexpr, NP: tl.constexpr,
-                   BN: tl.constexpr, LD: tl.constexpr, LI: tl.constexpr, SYNC: tl.constexpr,
-                   TIMES: tl.constexpr, PREFETCH: tl.constexpr):
+                   BN: tl.constexpr, SYNC: tl.constexpr, TIMES: tl.constexpr):
     """Phases first .. last - 1 of the stack (NP = PHASES a layer, then the final norm), a grid barrier after each but the
     last. The residual goes h_a -> h_b in phase A, h_b -> h_a in phase D. BN: output columns a program computes at
     a time (gate_up: BN gelu outputs from 2 BN columns). TIMES: program 0 writes the GPU clock (ns) at the start and
@@ -191,12 +183,6 @@ def _layers_kernel(h_a, h_b, qkv_ptr, at_ptr, o_ptr, y_ptr, d_ptr, out_ptr, bar,
                 tl.store(out_ptr + rows[:, None] * D + c1, (x1 * r * w1).to(dt), mask=(rows[:, None] < M) & (c1 < D))
                 tl.store(out_ptr + rows[:, None] * D + c2, (x2 * r * w2).to(dt), mask=(rows[:, None] < M) & (c2 < D))
         elif stage == 0:  # A: h_a (+ the previous layer's down output, normed) -> h_b; qkv
-            if PREFETCH:  # this layer's later weight tiles and the next layer's qkv, into L2 while A and B run
-                _prefetch(wo + L * D * H * DH, pid, D, H * DH, BN, LD)
-                _prefetch(wgu + L * 2 * I * D, pid, 2 * I, D, 2 * BN, LD)
-                _prefetch(wd + L * D * I, pid, D, I, BN, LI)
-                if L + 1 < NL:
-                    _prefetch(wqkv + (L + 1) * NQKV * D, pid, NQKV, D, BN, LD)
             for cb in range(pid, tl.cdiv(NQKV, BN), G):
                 if L == 0:  # two calls, so that PENDING is a constant in each: a runtime one made A 2x slower
                     x1, x2, r = _residual(h_a, d_ptr, n_ff, h_b, cb, M, eps, D, D1, D2, BM, False)
@@ -257,23 +243,21 @@ def rope_tables(local: tuple[torch.Tensor, torch.Tensor], glob: tuple[torch.Tens
     return torch.stack([*local, *glob]).contiguous()
 
 
-def grid(hidden: int, intermediate: int, qkv_rows: int, device: torch.device, bn: int) -> int:
+def grid(hidden: int, intermediate: int, qkv_rows: int, device: torch.device) -> int:
     """Programs: one per column block of the widest phase, at most one per SM."""
-    n = max(triton.cdiv(m, bn) for m in (qkv_rows, intermediate, hidden))
+    n = max(triton.cdiv(m, BN) for m in (qkv_rows, intermediate, hidden))
     return min(n, torch.cuda.get_device_properties(device).multi_processor_count) if device.type == "cuda" else n
 
 
 def layers(h: torch.Tensor, w: dict[str, torch.Tensor], rope: torch.Tensor, sliding: torch.Tensor,
            pos: torch.Tensor, cu_seqlens: torch.Tensor, *, heads: int, kv_heads: int, eps: float, scale: float,
-           window: int, sync: bool | None = None, bn: int = 16, warps: int = 8,
-           times: torch.Tensor | None = None, prefetch: bool = False) -> torch.Tensor:
+           window: int, sync: bool | None = None, times: torch.Tensor | None = None) -> torch.Tensor:
     """The layered forward's loop and final norm: h [T, D] (the scaled embeddings; overwritten) -> the final-normed
     hidden states [T, D]. w: the layers' weights stacked [layers, ...] (qkv, o, gate_up interleaved with the pre-MLP
     norm folded in, down, input_norm, post_attn_norm, post_ff_norm, q_norm, k_norm) and final_norm [D]; rope from
     rope_tables; sliding int32 [layers]; pos [T]; cu_seqlens int32. sync: one launch with grid barriers (default
     on a GPU) or one launch per phase (the interpreter's way). times: int64 [phases + 1], the GPU clock at the start
-    and after each phase (_layers_kernel's TIMES). prefetch: each layer's weights asked of L2 a few phases early
-    (GPU only)."""
+    and after each phase (_layers_kernel's TIMES)."""
     T, D = h.shape
     nl, qkv_rows = w["qkv"].shape[:2]
     I = w["down"].shape[2]
@@ -290,7 +274,7 @@ def layers(h: torch.Tensor, w: dict[str, torch.Tensor], rope: torch.Tensor, slid
     qkv = scratch[6 * T * D:6 * T * D + T * qkv_rows].view(T, qkv_rows)
     y = scratch[6 * T * D + T * qkv_rows:].view(T, I)
     bar = torch.zeros(1, dtype=torch.int32, device=h.device)
-    n = grid(D, I, qkv_rows, h.device, bn)
+    n = grid(D, I, qkv_rows, h.device)
     total = PHASES * nl + 1
     phases = [(0, total)] if sync else [(p, p + 1) for p in range(total)]
     (d1, d2), (i1, i2) = _pieces(D), _pieces(I)
@@ -301,10 +285,8 @@ def layers(h: torch.Tensor, w: dict[str, torch.Tensor], rope: torch.Tensor, slid
                              window, first, last, D=D, I=I, H=heads, HKV=kv_heads, DH=dh,
                              HP=max(16, dh // 2), NL=nl, P=rope.shape[1], BM=bm,
                              NCU=triton.next_power_of_2(cu_seqlens.shape[0]), D1=d1, D2=d2, I1=i1, I2=i2, NP=PHASES,
-                             BN=bn, LD=triton.next_power_of_2(triton.cdiv(D, 64)),
-                             LI=triton.next_power_of_2(triton.cdiv(I, 64)), SYNC=sync, TIMES=times is not None,
-                             PREFETCH=prefetch,
-                             num_warps=warps, num_stages=1)  # no pipelining: each phase loads its rows at once
+                             BN=BN, SYNC=sync, TIMES=times is not None,
+                             num_warps=8, num_stages=1)  # no pipelining: each phase loads its rows at once
     return out
 
 
@@ -373,20 +355,15 @@ def main():
         cos = F.cosine_similarity(one.float(), layered.float()).min().item()
         assert cos >= 0.999, cos
         ms = {"layered": time_ms(lambda: model.forward(b, ops, (fa2, fa2)), reps=11)}
-        for pf in (False, True):
-            assert torch.equal(one, forward_small(model, x, b, prefetch=pf)[:n])
-            ms[f"one kernel{' + L2 prefetch' if pf else ''}"] = time_ms(lambda: forward_small(model, x, b, prefetch=pf),
-                                                                         reps=11)
+        ms["one kernel"] = time_ms(lambda: forward_small(model, x, b), reps=11)
         print(f"{t} tokens: " + ", ".join(f"{k} {v:.3f} ms" for k, v in ms.items()) + f" (min cosine {cos:.5f})")
-        for pf in (False, True):
-            times = torch.zeros(PHASES * cfg.layers + 2, dtype=torch.int64, device=dev)
-            for _ in range(3):
-                forward_small(model, x, b, times=times, prefetch=pf)
-            us = (times[1:] - times[:-1]).double().cpu() / 1e3  # per phase, after its barrier
-            per = [us[i:PHASES * cfg.layers:PHASES].median().item() for i in range(PHASES)]
-            print(f"  per phase{' (prefetch)' if pf else ''}, median over layers, us: "
-                  + ", ".join(f"{n} {v:.2f}" for n, v in zip("ABCDE", per))
-                  + f", final {us[PHASES * cfg.layers].item():.2f}; all {us[:PHASES * cfg.layers + 1].sum().item():.1f}")
+        times = torch.zeros(PHASES * cfg.layers + 2, dtype=torch.int64, device=dev)
+        for _ in range(3):
+            forward_small(model, x, b, times=times)
+        us = (times[1:] - times[:-1]).double().cpu() / 1e3  # per phase, after its barrier
+        per = [us[i:PHASES * cfg.layers:PHASES].median().item() for i in range(PHASES)]
+        print("  per phase, median over layers, us: " + ", ".join(f"{n} {v:.2f}" for n, v in zip("ABCDE", per))
+              + f", final {us[PHASES * cfg.layers].item():.2f}; all {us[:PHASES * cfg.layers + 1].sum().item():.1f}")
 
 
 if __name__ == "__main__":
