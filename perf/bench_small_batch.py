@@ -153,7 +153,7 @@ def _layers_kernel(h_a, h_b, qkv_ptr, at_ptr, o_ptr, y_ptr, d_ptr, out_ptr, bar,
                    D: tl.constexpr, I: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr, DH: tl.constexpr,
                    HP: tl.constexpr, NL: tl.constexpr, P: tl.constexpr, BM: tl.constexpr, NCU: tl.constexpr,
                    D1: tl.constexpr, D2: tl.constexpr, I1: tl.constexpr, I2: tl.constexpr, NP: tl.constexpr,
-                   BN: tl.constexpr, SYNC: tl.constexpr, TIMES: tl.constexpr):
+                   BN: tl.constexpr, PRE: tl.constexpr, SYNC: tl.constexpr, TIMES: tl.constexpr):
     """Phases first .. last - 1 of the stack (NP = PHASES a layer, then the final norm), a grid barrier after each but the
     last. The residual goes h_a -> h_b in phase A, h_b -> h_a in phase D. BN: output columns a program computes at
     a time (gate_up: BN gelu outputs from 2 BN columns). TIMES: program 0 writes the GPU clock (ns) at the start and
@@ -188,9 +188,10 @@ def _layers_kernel(h_a, h_b, qkv_ptr, at_ptr, o_ptr, y_ptr, d_ptr, out_ptr, bar,
                     x1, x2, r = _residual(h_a, d_ptr, n_ff, h_b, cb, M, eps, D, D1, D2, BM, False)
                 else:
                     x1, x2, r = _residual(h_a, d_ptr, n_ff + (L - 1) * D, h_b, cb, M, eps, D, D1, D2, BM, True)
-                w1, w2 = _vec(n_in + L * D, D, D1, D2)
-                _store(qkv_ptr, _mm(x1 * w1, x2 * w2, wqkv + L * NQKV * D, cb, NQKV, D, D1, D2, BN) * r, cb, M,
-                       NQKV, BM, BN)
+                if PRE:  # else the input norm's (1 + w) is folded into wqkv
+                    w1, w2 = _vec(n_in + L * D, D, D1, D2)
+                    x1, x2 = x1 * w1, x2 * w2
+                _store(qkv_ptr, _mm(x1, x2, wqkv + L * NQKV * D, cb, NQKV, D, D1, D2, BN) * r, cb, M, NQKV, BM, BN)
         elif stage == 1:  # B: attention, a program per head
             if pid < H:
                 sl = tl.load(sliding + L)
@@ -251,13 +252,14 @@ def grid(hidden: int, intermediate: int, qkv_rows: int, device: torch.device) ->
 
 def layers(h: torch.Tensor, w: dict[str, torch.Tensor], rope: torch.Tensor, sliding: torch.Tensor,
            pos: torch.Tensor, cu_seqlens: torch.Tensor, *, heads: int, kv_heads: int, eps: float, scale: float,
-           window: int, sync: bool | None = None, times: torch.Tensor | None = None) -> torch.Tensor:
+           window: int, sync: bool | None = None, times: torch.Tensor | None = None,
+           folded: bool = False) -> torch.Tensor:
     """The layered forward's loop and final norm: h [T, D] (the scaled embeddings; overwritten) -> the final-normed
     hidden states [T, D]. w: the layers' weights stacked [layers, ...] (qkv, o, gate_up interleaved with the pre-MLP
     norm folded in, down, input_norm, post_attn_norm, post_ff_norm, q_norm, k_norm) and final_norm [D]; rope from
     rope_tables; sliding int32 [layers]; pos [T]; cu_seqlens int32. sync: one launch with grid barriers (default
     on a GPU) or one launch per phase (the interpreter's way). times: int64 [phases + 1], the GPU clock at the start
-    and after each phase (_layers_kernel's TIMES)."""
+    and after each phase (_layers_kernel's TIMES). folded: w["qkv"] has the input norm's (1 + w) in its columns."""
     T, D = h.shape
     nl, qkv_rows = w["qkv"].shape[:2]
     I = w["down"].shape[2]
@@ -285,14 +287,17 @@ def layers(h: torch.Tensor, w: dict[str, torch.Tensor], rope: torch.Tensor, slid
                              window, first, last, D=D, I=I, H=heads, HKV=kv_heads, DH=dh,
                              HP=max(16, dh // 2), NL=nl, P=rope.shape[1], BM=bm,
                              NCU=triton.next_power_of_2(cu_seqlens.shape[0]), D1=d1, D2=d2, I1=i1, I2=i2, NP=PHASES,
-                             BN=BN, SYNC=sync, TIMES=times is not None,
+                             BN=BN, PRE=not folded, SYNC=sync, TIMES=times is not None,
                              num_warps=8, num_stages=1)  # no pipelining: each phase loads its rows at once
     return out
 
 
-def inputs(model: Encoder) -> tuple:
-    """layers()' weights, RoPE tables and layer types from a model, made once."""
+def inputs(model: Encoder, folded: bool = False) -> tuple:
+    """layers()' weights, RoPE tables and layer types from a model, made once; folded: the input norm's (1 + w)
+    multiplied into qkv's columns (in fp32), as the pre-MLP norm's is into gate_up's."""
     w = {k: torch.stack([getattr(L, k) for L in model.layers]) for k in vars(model.layers[0]) if k != "sliding"}
+    if folded:
+        w["qkv"] = (w["qkv"].float() * (1.0 + w["input_norm"].float())[:, None, :]).to(w["qkv"].dtype)
     w["final_norm"] = model.final_norm
     sliding = torch.tensor(model.cfg.sliding, dtype=torch.int32, device=model.device)
     return w, rope_tables(model.rope[True], model.rope[False]), sliding
@@ -332,15 +337,16 @@ def main():
                        check=True, stdout=subprocess.DEVNULL)
         cfg, dev = ModelConfig.load(path), torch.device("cpu")
         model = Encoder(cfg, torch.float32, dev)
-        x = inputs(model)
+        x, xf = inputs(model), inputs(model, folded=True)
         ops = make_ops("native", dev, torch.float32, cfg.hidden, cfg.intermediate)
         for t, lengths in BATCHES.items():
             b, n = graph_batch(lengths, t, cfg.vocab_size, dev)
             want = model.forward(b, ops, (native.attention, native.attention))[:n]
-            got = forward_small(model, x, b)[:n]
-            err = ((got - want).abs().max() / want.abs().max()).item()
-            print(f"{t} tokens {lengths}: max rel err {err:.1e}")
-            assert err <= 1e-5
+            for folded, xx in ((False, x), (True, xf)):
+                got = forward_small(model, xx, b, folded=folded)[:n]
+                err = ((got - want).abs().max() / want.abs().max()).item()
+                print(f"{t} tokens {lengths}{', input norm folded' if folded else ''}: max rel err {err:.1e}")
+                assert err <= 1e-5
         return
     cfg, dev = ModelConfig.load(args.checkpoint), torch.device("cuda")
     model = Encoder(cfg, torch.bfloat16, dev)
@@ -355,15 +361,22 @@ def main():
         cos = F.cosine_similarity(one.float(), layered.float()).min().item()
         assert cos >= 0.999, cos
         ms = {"layered": time_ms(lambda: model.forward(b, ops, (fa2, fa2)), reps=11)}
+        xf = inputs(model, folded=True)
+        cos_f = F.cosine_similarity(forward_small(model, xf, b, folded=True)[:n].float(), layered.float()).min().item()
+        assert cos_f >= 0.999, cos_f
         ms["one kernel"] = time_ms(lambda: forward_small(model, x, b), reps=11)
-        print(f"{t} tokens: " + ", ".join(f"{k} {v:.3f} ms" for k, v in ms.items()) + f" (min cosine {cos:.5f})")
-        times = torch.zeros(PHASES * cfg.layers + 2, dtype=torch.int64, device=dev)
-        for _ in range(3):
-            forward_small(model, x, b, times=times)
-        us = (times[1:] - times[:-1]).double().cpu() / 1e3  # per phase, after its barrier
-        per = [us[i:PHASES * cfg.layers:PHASES].median().item() for i in range(PHASES)]
-        print("  per phase, median over layers, us: " + ", ".join(f"{n} {v:.2f}" for n, v in zip("ABCDE", per))
-              + f", final {us[PHASES * cfg.layers].item():.2f}; all {us[:PHASES * cfg.layers + 1].sum().item():.1f}")
+        ms["one kernel, input norm folded"] = time_ms(lambda: forward_small(model, xf, b, folded=True), reps=11)
+        print(f"{t} tokens: " + ", ".join(f"{k} {v:.3f} ms" for k, v in ms.items())
+              + f" (min cosine {cos:.5f}, folded {cos_f:.5f})")
+        for folded, xx in ((False, x), (True, xf)):
+            times = torch.zeros(PHASES * cfg.layers + 2, dtype=torch.int64, device=dev)
+            for _ in range(3):
+                forward_small(model, xx, b, times=times, folded=folded)
+            us = (times[1:] - times[:-1]).double().cpu() / 1e3  # per phase, after its barrier
+            per = [us[i:PHASES * cfg.layers:PHASES].median().item() for i in range(PHASES)]
+            print(f"  per phase{', folded' if folded else ''}, median over layers, us: "
+                  + ", ".join(f"{n} {v:.2f}" for n, v in zip("ABCDE", per))
+                  + f", final {us[PHASES * cfg.layers].item():.2f}; all {us[:PHASES * cfg.layers + 1].sum().item():.1f}")
 
 
 if __name__ == "__main__":
