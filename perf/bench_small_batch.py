@@ -87,19 +87,17 @@ def _rstd(a, b, D, eps):
 
 @triton.jit
 def _residual(h_ptr, p_ptr, w_post, h_out, cb, M, eps, D: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr,
-              BM: tl.constexpr, PENDING: tl.constexpr):
-    """The residual h + rmsnorm(p, w_post) (h alone without PENDING), rounded as the layered forward stores it, as
-    two fp32 pieces with its row scale rsqrt(mean(x^2) + eps); column block 0 writes it to h_out."""
+              BM: tl.constexpr):
+    """The residual h + rmsnorm(p, w_post), rounded as the layered forward stores it, as two fp32 pieces with its
+    row scale rsqrt(mean(x^2) + eps); column block 0 writes it to h_out."""
     dt = h_ptr.dtype.element_ty
     x1, x2 = _rows(h_ptr, D, M, D1, D2, BM)
-    x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
-    if PENDING:
-        p1, p2 = _rows(p_ptr, D, M, D1, D2, BM)
-        p1, p2 = p1.to(tl.float32), p2.to(tl.float32)
-        r = _rstd(p1, p2, D, eps)
-        w1, w2 = _vec(w_post, D, D1, D2)
-        x1 = (x1 + (p1 * r * w1).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-        x2 = (x2 + (p2 * r * w2).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+    p1, p2 = _rows(p_ptr, D, M, D1, D2, BM)
+    x1, x2, p1, p2 = x1.to(tl.float32), x2.to(tl.float32), p1.to(tl.float32), p2.to(tl.float32)
+    r = _rstd(p1, p2, D, eps)
+    w1, w2 = _vec(w_post, D, D1, D2)
+    x1 = (x1 + (p1 * r * w1).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+    x2 = (x2 + (p2 * r * w2).to(dt).to(tl.float32)).to(dt).to(tl.float32)
     rows = tl.arange(0, BM)[:, None]
     c1 = tl.arange(0, D1)[None, :]
     c2 = D1 + tl.arange(0, D2)[None, :]
@@ -175,7 +173,7 @@ def _layers_kernel(h_a, h_b, qkv_ptr, at_ptr, o_ptr, y_ptr, d_ptr, out_ptr, bar,
         stage = ph % NP
         if L == NL:  # the last layer's post-MLP norm + residual add, the final norm
             if pid == 0:
-                x1, x2, r = _residual(h_a, d_ptr, n_ff + (NL - 1) * D, h_b, 1, M, eps, D, D1, D2, BM, True)
+                x1, x2, r = _residual(h_a, d_ptr, n_ff + (NL - 1) * D, h_b, 1, M, eps, D, D1, D2, BM)
                 w1, w2 = _vec(n_final, D, D1, D2)
                 c1 = tl.arange(0, D1)[None, :]
                 c2 = D1 + tl.arange(0, D2)[None, :]
@@ -184,10 +182,9 @@ def _layers_kernel(h_a, h_b, qkv_ptr, at_ptr, o_ptr, y_ptr, d_ptr, out_ptr, bar,
                 tl.store(out_ptr + rows[:, None] * D + c2, (x2 * r * w2).to(dt), mask=(rows[:, None] < M) & (c2 < D))
         elif stage == 0:  # A: h_a (+ the previous layer's down output, normed) -> h_b; qkv
             for cb in range(pid, tl.cdiv(NQKV, BN), G):
-                if L == 0:  # two calls, so that PENDING is a constant in each: a runtime one made A 2x slower
-                    x1, x2, r = _residual(h_a, d_ptr, n_ff, h_b, cb, M, eps, D, D1, D2, BM, False)
-                else:
-                    x1, x2, r = _residual(h_a, d_ptr, n_ff + (L - 1) * D, h_b, cb, M, eps, D, D1, D2, BM, True)
+                # layer 0 adds d = 0 (zeroed at launch): one code path (a runtime branch made phase A 14.7 us against
+                # 10.8 with one call per branch, run 76, which doubled its code)
+                x1, x2, r = _residual(h_a, d_ptr, n_ff + tl.maximum(L - 1, 0) * D, h_b, cb, M, eps, D, D1, D2, BM)
                 if PRE:  # else the input norm's (1 + w) is folded into wqkv
                     w1, w2 = _vec(n_in + L * D, D, D1, D2)
                     x1, x2 = x1 * w1, x2 * w2
@@ -215,7 +212,7 @@ def _layers_kernel(h_a, h_b, qkv_ptr, at_ptr, o_ptr, y_ptr, d_ptr, out_ptr, bar,
                 _store(o_ptr, _mm(x1, x2, wo + L * D * H * DH, cb, D, H * DH, D1, D2, BN), cb, M, D, BM, BN)
         elif stage == 3:  # D: h_b + the o output, normed -> h_a; gate_up + gelu
             for cb in range(pid, tl.cdiv(I, BN), G):
-                x1, x2, r = _residual(h_b, o_ptr, n_attn + L * D, h_a, cb, M, eps, D, D1, D2, BM, True)
+                x1, x2, r = _residual(h_b, o_ptr, n_attn + L * D, h_a, cb, M, eps, D, D1, D2, BM)
                 acc = _mm(x1, x2, wgu + L * 2 * I * D, cb, 2 * I, D, D1, D2, 2 * BN) * r
                 g, u = tl.split(tl.reshape(acc, (BM, BN, 2)))
                 _store(y_ptr, gelu_tanh_mul(g, u), cb, M, I, BM, BN)
@@ -273,6 +270,7 @@ def layers(h: torch.Tensor, w: dict[str, torch.Tensor], rope: torch.Tensor, slid
         raise ValueError(f"layers: heads x head_dim {heads} x {dh} != hidden {D}")
     scratch = torch.empty((6 * T * D + T * qkv_rows + T * I,), dtype=h.dtype, device=h.device)
     h_b, at, o, d, out = (scratch[i * T * D:(i + 1) * T * D].view(T, D) for i in range(5))
+    d.zero_()  # layer 0's phase A adds it as if it were a previous layer's down output
     qkv = scratch[6 * T * D:6 * T * D + T * qkv_rows].view(T, qkv_rows)
     y = scratch[6 * T * D + T * qkv_rows:].view(T, I)
     bar = torch.zeros(1, dtype=torch.int32, device=h.device)
