@@ -54,6 +54,7 @@ def _sync(bar, n):
 
 @triton.jit
 def _clock():
+    """The GPU's nanosecond clock (%globaltimer), for the per-phase times."""
     return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
 
 
