@@ -1,7 +1,7 @@
 """A candidate for issue #14's small batches, measured and not wired into the engine (it lost by 6% at 16 tokens:
-perf/RESULTS.md runs 68-76): the encoder's whole layer stack as one Triton-lang kernel. At 16 tokens the layered forward is ~190 kernels of
-~3-4 us each, all latency; here one grid of programs passes five grid-wide barriers a layer instead (~0.9 us each on
-the H200). A layer's phases:
+perf/RESULTS.md runs 68-76): the encoder's whole layer stack as one Triton-lang kernel. At 16 tokens the layered
+forward is ~190 kernels of ~3-4 us each, all latency; here one grid of programs passes five grid-wide barriers a
+layer instead (~0.9 us each on the H200). A layer's phases:
   A  the previous layer's post-MLP norm + residual add, the input norm, the qkv GEMM
   B  q/k norm + RoPE and attention, a program per head
   C  the o GEMM
@@ -153,10 +153,11 @@ def _layers_kernel(h_a, h_b, qkv_ptr, at_ptr, o_ptr, y_ptr, d_ptr, out_ptr, bar,
                    HP: tl.constexpr, NL: tl.constexpr, P: tl.constexpr, BM: tl.constexpr, NCU: tl.constexpr,
                    D1: tl.constexpr, D2: tl.constexpr, I1: tl.constexpr, I2: tl.constexpr, NP: tl.constexpr,
                    BN: tl.constexpr, PRE: tl.constexpr, SYNC: tl.constexpr, TIMES: tl.constexpr):
-    """Phases first .. last - 1 of the stack (NP = PHASES a layer, then the final norm), a grid barrier after each but the
-    last. The residual goes h_a -> h_b in phase A, h_b -> h_a in phase D. BN: output columns a program computes at
-    a time (gate_up: BN gelu outputs from 2 BN columns). TIMES: program 0 writes the GPU clock (ns) at the start and
-    after each phase's barrier to times[first..last]."""
+    """Phases first .. last - 1 of the stack (NP = PHASES a layer, then the final norm), a grid barrier after each
+    but the last. The residual goes h_a -> h_b in phase A, h_b -> h_a in phase D. BN: output columns a program
+    computes at a time (gate_up: BN gelu outputs from 2 BN columns). PRE: phase A applies the input norm's (1 + w)
+    (else it is folded into wqkv). TIMES: program 0 writes the GPU clock (ns) at the start and after each phase's
+    barrier to times[first..last]."""
     NQKV: tl.constexpr = (H + 2 * HKV) * DH
     pid, G = tl.program_id(0), tl.num_programs(0)
     rows = tl.arange(0, BM)
@@ -279,9 +280,9 @@ def layers(h: torch.Tensor, w: dict[str, torch.Tensor], rope: torch.Tensor, slid
     (d1, d2), (i1, i2) = _pieces(D), _pieces(I)
     for first, last in phases:
         _layers_kernel[(n,)](h, h_b, qkv, at, o, y, d, out, bar, bar if times is None else times, w["qkv"], w["o"],
-                             w["gate_up"], w["down"], w["input_norm"], w["post_attn_norm"], w["post_ff_norm"], w["q_norm"], w["k_norm"],
-                             w["final_norm"], sliding, rope, pos, cu_seqlens, cu_seqlens.shape[0], T, eps, scale,
-                             window, first, last, D=D, I=I, H=heads, HKV=kv_heads, DH=dh,
+                             w["gate_up"], w["down"], w["input_norm"], w["post_attn_norm"], w["post_ff_norm"],
+                             w["q_norm"], w["k_norm"], w["final_norm"], sliding, rope, pos, cu_seqlens,
+                             cu_seqlens.shape[0], T, eps, scale, window, first, last, D=D, I=I, H=heads, HKV=kv_heads, DH=dh,
                              HP=max(16, dh // 2), NL=nl, P=rope.shape[1], BM=bm,
                              NCU=triton.next_power_of_2(cu_seqlens.shape[0]), D1=d1, D2=d2, I1=i1, I2=i2, NP=PHASES,
                              BN=BN, PRE=not folded, SYNC=sync, TIMES=times is not None,
@@ -372,7 +373,8 @@ def main():
             per = [us[i:PHASES * cfg.layers:PHASES].median().item() for i in range(PHASES)]
             print(f"  per phase{', folded' if folded else ''}, median over layers, us: "
                   + ", ".join(f"{n} {v:.2f}" for n, v in zip("ABCDE", per))
-                  + f", final {us[PHASES * cfg.layers].item():.2f}; all {us[:PHASES * cfg.layers + 1].sum().item():.1f}")
+                  + f", final {us[PHASES * cfg.layers].item():.2f}"
+                  + f"; all {us[:PHASES * cfg.layers + 1].sum().item():.1f}")
 
 
 if __name__ == "__main__":
