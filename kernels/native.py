@@ -17,6 +17,25 @@ def norm_add_norm(x, residual, w_post, w_pre, eps):
     return rmsnorm(residual, w_pre, eps)
 
 
+def rstd(x, eps):
+    """Each row's rsqrt(mean(x^2) + eps), fp32 [T]: the scale of an RMSNorm whose (1 + w) sits in the next GEMM."""
+    return torch.rsqrt(x.float().pow(2).mean(-1) + eps)
+
+
+def norm_add_rstd(x, residual, w_post, eps):
+    """As norm_add_norm, but returns only the updated residual's rstd: the next norm's (1 + w) is folded into the
+    GEMM after it (egemma.engine.weights.FOLDED)."""
+    residual.add_(rmsnorm(x, w_post, eps))
+    return rstd(residual, eps)
+
+
+def embed(ids, table, scale, eps):
+    """The residual stream's start and its rows' rstd: (table[ids] * scale [T, D], as transformers rounds it to the
+    table's dtype, rstd of that [T])."""
+    h = F.embedding(ids, table) * scale
+    return h, rstd(h, eps)
+
+
 def gelu_tanh_and_mul(gate_up):
     """[T, 2I] with gate j and up j in columns 2j, 2j + 1 (the gate_up weight's rows interleaved at load,
     egemma.engine.weights) -> gelu_tanh(gate) * up [T, I]."""
@@ -54,20 +73,23 @@ def rope_table(base, head_dim, max_pos, device):
     return torch.cos(freqs), torch.sin(freqs)
 
 
-def qk_norm_rope(qkv, pos, q_w, k_w, cos, sin, heads, kv_heads, eps):
+def qk_norm_rope(qkv, pos, q_w, k_w, cos, sin, heads, kv_heads, eps, rstd):
     """Split the joined qkv GEMM output, RMS-normalise q and k per head, rotate them (rotate-half RoPE).
-    qkv [T, (H + 2 Hkv) * Dh] -> q [T, H, Dh], k [T, Hkv, Dh], v [T, Hkv, Dh]."""
+    qkv [T, (H + 2 Hkv) * Dh] -> q [T, H, Dh], k [T, Hkv, Dh], v [T, Hkv, Dh]. The GEMM read rows whose RMSNorm
+    was left to here, rstd fp32 [T] their scales: v takes them; q and k, normalised per head anyway, only as their
+    norms' eps / rstd^2 (what normalising the rows first comes to)."""
     T = qkv.shape[0]
     q, k, v = qkv.view(T, heads + 2 * kv_heads, -1).split([heads, kv_heads, kv_heads], dim=1)
     c, s = cos[pos][:, None, :], sin[pos][:, None, :]  # [T, 1, Dh/2]
+    eps_rows = eps / rstd.pow(2)[:, None, None]  # [T, 1, 1]
 
     def norm_rope(x, w):
         xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + w.float())
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps_rows) * (1.0 + w.float())
         x1, x2 = xf.chunk(2, dim=-1)
         return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
 
-    return norm_rope(q, q_w), norm_rope(k, k_w), v
+    return norm_rope(q, q_w), norm_rope(k, k_w), (v.float() * rstd[:, None, None]).to(v.dtype)
 
 
 def attention(q, k, v, cu_seqlens, max_seqlen, window, scale):

@@ -26,11 +26,12 @@ ATTENTION_BACKENDS = ("fa3", "fa2", "native")
 @dataclass(frozen=True)
 class Ops:
     name: str
-    rmsnorm: Callable  # (x, w, eps) -> out
+    embed: Callable  # (ids, table, scale, eps) -> residual [T, D], its rows' rstd fp32 [T]
     norm_add_norm: Callable  # (x, residual, w_post, w_pre, eps) -> out; residual updated in place
+    norm_add_rstd: Callable  # (x, residual, w_post, eps) -> rstd fp32 [T]; residual updated in place
     gelu_tanh_and_mul: Callable  # (gate_up, gate and up columns interleaved) -> out
     mlp_up: Callable  # (x, residual, w_post, w_gate_up, eps) -> native.mlp_up: [T, I]; residual updated in place
-    qk_norm_rope: Callable  # (qkv, pos, q_w, k_w, cos, sin, heads, kv_heads, eps) -> q, k, v
+    qk_norm_rope: Callable  # (qkv, pos, q_w, k_w, cos, sin, heads, kv_heads, eps, rstd) -> q, k, v
     mean_pool: Callable  # (x, cu_seqlens, n) -> fp32 [n, D]
 
 
@@ -55,15 +56,11 @@ def available_attention_backends(device: torch.device) -> list[str]:
 
 def _backend_ops(backend: str) -> dict[str, Callable]:
     if backend == "native":
-        return dict(rmsnorm=native.rmsnorm, norm_add_norm=native.norm_add_norm,
-                    gelu_tanh_and_mul=native.gelu_tanh_and_mul)
+        return dict(norm_add_norm=native.norm_add_norm, gelu_tanh_and_mul=native.gelu_tanh_and_mul)
     if backend == "triton":
         from egemma.kernels import triton_ops as t
-        return dict(rmsnorm=t.rmsnorm, norm_add_norm=t.norm_add_norm, gelu_tanh_and_mul=t.gelu_tanh_and_mul)
+        return dict(norm_add_norm=t.norm_add_norm, gelu_tanh_and_mul=t.gelu_tanh_and_mul)
     import sgl_kernel
-
-    def rmsnorm(x, w, eps):
-        return sgl_kernel.gemma_rmsnorm(x, w, eps)
 
     def norm_add_norm(x, residual, w_post, w_pre, eps):
         y = sgl_kernel.gemma_rmsnorm(x, w_post, eps)
@@ -71,7 +68,7 @@ def _backend_ops(backend: str) -> dict[str, Callable]:
         return y
 
     # no gelu_tanh_and_mul: sgl-kernel's reads [gate | up] halves, not the interleaved gate_up (egemma.engine.weights)
-    return dict(rmsnorm=rmsnorm, norm_add_norm=norm_add_norm)
+    return dict(norm_add_norm=norm_add_norm)
 
 
 def time_ms(fn, *args, reps: int = 5, inner: int = 5, capture: bool = True) -> float:
@@ -174,10 +171,10 @@ def make_ops(backend: str, device: torch.device, dtype=torch.bfloat16, hidden=76
     if backend != "auto" and backend not in have:
         raise RuntimeError(f"norm backend {backend!r} is not available on {device} (available: {have})")
     unit = torch.zeros(hidden, device=device, dtype=dtype)  # a norm weight w with (1 + w) = 1
-    fused = dict(qk_norm_rope=native.qk_norm_rope, mean_pool=native.mean_pool)  # no library has these
+    own = native  # no library has these: Triton-lang's on CUDA
     if device.type == "cuda" and _have("triton"):
-        from egemma.kernels import triton_ops
-        fused = dict(qk_norm_rope=triton_ops.qk_norm_rope, mean_pool=triton_ops.mean_pool)
+        from egemma.kernels import triton_ops as own
+    fused = {op: getattr(own, op) for op in ("embed", "norm_add_rstd", "qk_norm_rope", "mean_pool")}
     if backend != "auto" or len(have) == 1:
         name = have[0] if backend == "auto" else backend
         ops = {**_backend_ops("triton"), **_backend_ops(name)} if name == "sgl-kernel" else _backend_ops(name)
@@ -186,7 +183,7 @@ def make_ops(backend: str, device: torch.device, dtype=torch.bfloat16, hidden=76
     h = torch.randn(tokens, hidden, device=device, dtype=dtype)
     w = torch.randn(hidden, device=device, dtype=dtype)
     gu = torch.randn(tokens, 2 * intermediate, device=device, dtype=dtype)
-    args = {"rmsnorm": (x, w, 1e-6), "norm_add_norm": (x, h, w, w, 1e-6), "gelu_tanh_and_mul": (gu,)}
+    args = {"norm_add_norm": (x, h, w, w, 1e-6), "gelu_tanh_and_mul": (gu,)}
     cands = {b: _backend_ops(b) for b in have}
     chosen, names = {}, []
     for op, a in args.items():
@@ -225,7 +222,7 @@ def attention_fn(backend: str) -> Callable:
 
 def pick_attention(cands: list[str], q, k, v, cu_seqlens, max_seqlen: int, window: int, scale: float) -> str:
     """The fastest of the candidate backends on these inputs. Time them on q / k / v exactly as the forward
-    makes them (v a strided view of the qkv GEMM output): on other layouts the ranking came out differently."""
+    makes them (by qk_norm_rope from the qkv GEMM's output): on other layouts the ranking came out differently."""
     if len(cands) == 1:
         return cands[0]
     times = {name: time_ms(attention_fn(name), q, k, v, cu_seqlens, max_seqlen, window, scale) for name in cands}

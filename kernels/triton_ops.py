@@ -1,5 +1,6 @@
-"""Triton-lang versions of the fused ops, for hosts without sgl-kernel, and for the fused q/k-norm + RoPE and
-the segment-mean pooling that no library provides. Each matches its twin in `kernels.native` to fp32 rounding
+"""Triton-lang versions of the fused ops, for hosts without sgl-kernel, and for those no library provides: the
+embedding gather with its row scale, q/k-norm + RoPE with v's row scale, the norms that write only a row scale, and
+the segment-mean pooling. Each matches its twin in `kernels.native` to fp32 rounding
 (tests/test_kernels.py). They also run under TRITON_INTERPRET=1 on CPU, which is how CI tests them."""
 import torch
 import triton
@@ -7,19 +8,18 @@ import triton.language as tl
 
 
 @triton.jit
-def _rmsnorm_kernel(x_ptr, res_ptr, w_post_ptr, w_ptr, out_ptr, D, eps, sx, sr, so,
-                    NORM_ADD: tl.constexpr, RSTD: tl.constexpr, BLOCK: tl.constexpr):
+def _norm_add_kernel(x_ptr, res_ptr, w_post_ptr, w_ptr, out_ptr, D, eps, sx, sr, so, RSTD: tl.constexpr,
+                     BLOCK: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     m = cols < D
     x = tl.load(x_ptr + row * sx + cols, mask=m, other=0.0).to(tl.float32)
-    if NORM_ADD:  # x = rmsnorm(x, w_post); residual += x; then the norm below runs on the residual
-        wp = tl.load(w_post_ptr + cols, mask=m, other=0.0).to(tl.float32)
-        x = (x * tl.rsqrt(tl.sum(x * x, 0) / D + eps) * (1.0 + wp)).to(x_ptr.dtype.element_ty).to(tl.float32)
-        x += tl.load(res_ptr + row * sr + cols, mask=m, other=0.0).to(tl.float32)
-        x = x.to(res_ptr.dtype.element_ty)  # the reference normalises the stored (rounded) residual
-        tl.store(res_ptr + row * sr + cols, x, mask=m)
-        x = x.to(tl.float32)
+    wp = tl.load(w_post_ptr + cols, mask=m, other=0.0).to(tl.float32)
+    x = (x * tl.rsqrt(tl.sum(x * x, 0) / D + eps) * (1.0 + wp)).to(x_ptr.dtype.element_ty).to(tl.float32)
+    x += tl.load(res_ptr + row * sr + cols, mask=m, other=0.0).to(tl.float32)
+    x = x.to(res_ptr.dtype.element_ty)  # the reference normalises the stored (rounded) residual
+    tl.store(res_ptr + row * sr + cols, x, mask=m)
+    x = x.to(tl.float32)
     r = tl.rsqrt(tl.sum(x * x, 0) / D + eps)
     if RSTD:  # the row's scale only: the GEMM after it applies it (the norm's weight is folded into the GEMM's)
         tl.store(out_ptr + row, r)
@@ -28,31 +28,54 @@ def _rmsnorm_kernel(x_ptr, res_ptr, w_post_ptr, w_ptr, out_ptr, D, eps, sx, sr, 
         tl.store(out_ptr + row * so + cols, (x * r * (1.0 + w)).to(out_ptr.dtype.element_ty), mask=m)
 
 
-def _norm(x, res, w_post, w, out, eps, norm_add, rstd=False):
+def _row_warps(T: int) -> int:
+    # 2 warps a row on large batches (more rows resident): 16k tokens 27.5 against 28.7 us with the default 4
+    # (perf/RESULTS.md runs 57-58)
+    return 2 if T >= 4096 else 4
+
+
+def _norm_add(x, res, w_post, w, out, eps, rstd):
     if x.shape[0]:
-        # 2 warps a row on large batches (more rows resident): 16k tokens 27.5 against 28.7 us with the default 4
-        # (perf/RESULTS.md runs 57-58)
-        _rmsnorm_kernel[(x.shape[0],)](x, res, w_post, w, out, x.shape[1], eps, x.stride(0), res.stride(0),
-                                       out.stride(0), NORM_ADD=norm_add, RSTD=rstd,
-                                       BLOCK=triton.next_power_of_2(x.shape[1]),
-                                       num_warps=2 if x.shape[0] >= 4096 else 4)
+        _norm_add_kernel[(x.shape[0],)](x, res, w_post, w, out, x.shape[1], eps, x.stride(0), res.stride(0),
+                                        out.stride(0), RSTD=rstd, BLOCK=triton.next_power_of_2(x.shape[1]),
+                                        num_warps=_row_warps(x.shape[0]))
     return out
-
-
-def rmsnorm(x, w, eps):  # [T, D] -> [T, D]
-    return _norm(x, x, w, w, torch.empty_like(x), eps, False)
 
 
 def norm_add_norm(x, residual, w_post, w_pre, eps):
     """x = rmsnorm(x, w_post); residual += x; returns rmsnorm(residual, w_pre), written over x: one pass."""
-    return _norm(x, residual, w_post, w_pre, x, eps, True)
+    return _norm_add(x, residual, w_post, w_pre, x, eps, False)
 
 
 def norm_add_rstd(x, residual, w_post, eps):
     """As norm_add_norm, but returns only the residual's rsqrt(mean(residual^2) + eps) per row, fp32 [T]: for a GEMM
-    that scales its rows by it, with the norm's (1 + w) folded into its weight (kernels.fused_gemm)."""
-    return _norm(x, residual, w_post, w_post, torch.empty(x.shape[0], dtype=torch.float32, device=x.device), eps,
-                 True, rstd=True)
+    whose rows take it later, with the norm's (1 + w) folded into its weight (egemma.engine.weights.FOLDED)."""
+    return _norm_add(x, residual, w_post, w_post, torch.empty(x.shape[0], dtype=torch.float32, device=x.device),
+                     eps, True)
+
+
+@triton.jit
+def _embed_kernel(ids_ptr, table_ptr, out_ptr, rstd_ptr, D, scale, eps, BLOCK: tl.constexpr):
+    t = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    m = cols < D
+    row = tl.load(ids_ptr + t).to(tl.int64)
+    x = tl.load(table_ptr + row * D + cols, mask=m, other=0.0).to(tl.float32) * scale
+    x = x.to(out_ptr.dtype.element_ty)  # the residual as stored; its scale is taken from the rounded values
+    tl.store(out_ptr + t * D + cols, x, mask=m)
+    x = x.to(tl.float32)
+    tl.store(rstd_ptr + t, tl.rsqrt(tl.sum(x * x, 0) / D + eps))
+
+
+def embed(ids, table, scale, eps):
+    """As native.embed: rows of table [V, D] (contiguous) x scale -> ([T, D], fp32 rsqrt(mean(row^2) + eps) [T])."""
+    T, D = ids.shape[0], table.shape[1]
+    out = torch.empty((T, D), dtype=table.dtype, device=table.device)
+    rstd = torch.empty(T, dtype=torch.float32, device=table.device)
+    if T:
+        _embed_kernel[(T,)](ids, table, out, rstd, D, float(scale), eps, BLOCK=triton.next_power_of_2(D),
+                            num_warps=_row_warps(T))
+    return out, rstd
 
 
 @triton.jit
@@ -100,19 +123,24 @@ def _mean_pool_kernel(x_ptr, cu_ptr, out_ptr, D, sx, BLOCK_R: tl.constexpr, BLOC
     tl.store(out_ptr + s * D + cols, tl.sum(acc, 0) / n, mask=cols < D)
 
 
-def mean_pool(x, cu_seqlens, n):
+def mean_pool(x, cu_seqlens, n, *, tile=None):
     """As native.mean_pool, reading only the sequences' own rows (the reference's one-hot matmul reads every slot
-    of a graph): one program per sequence and 64 columns."""
+    of a graph): one program per sequence and column block, stepping down its rows. tile: (rows a step, columns,
+    warps), an override for perf/bench_norms.py."""
     out = torch.empty((n, x.shape[1]), dtype=torch.float32, device=x.device)
     if n:
-        _mean_pool_kernel[(n, triton.cdiv(x.shape[1], 64))](x, cu_seqlens, out, x.shape[1], x.stride(0),
-                                                             BLOCK_R=64, BLOCK_D=64)
+        # long sequences: 32 columns (more programs) and 128 rows a step, 30 against 41 us for 8 x 2048; short: 64 x
+        # 64, 10.7 against 12.8 for 8 x 128 (perf/RESULTS.md run 78)
+        br, bd, warps = tile or ((128, 32, 4) if x.shape[0] >= 4096 else (64, 64, 4))
+        _mean_pool_kernel[(n, triton.cdiv(x.shape[1], bd))](x, cu_seqlens, out, x.shape[1], x.stride(0),
+                                                             BLOCK_R=br, BLOCK_D=bd, num_warps=warps)
     return out
 
 
 @triton.jit
-def _qk_norm_rope_kernel(qkv_ptr, pos_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, s_qkv, eps,
-                         H: tl.constexpr, HKV: tl.constexpr, NH: tl.constexpr, HALF: tl.constexpr):
+def _qk_norm_rope_kernel(qkv_ptr, pos_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, rstd_ptr, q_ptr, k_ptr, v_ptr, s_qkv,
+                         eps, H: tl.constexpr, HKV: tl.constexpr, NH: tl.constexpr, HALF: tl.constexpr,
+                         VB: tl.constexpr):
     t = tl.program_id(0)
     h = tl.arange(0, NH)[:, None]  # q heads, then k heads: [NH, 1]
     c = tl.arange(0, HALF)[None, :]  # [1, HALF]
@@ -120,7 +148,8 @@ def _qk_norm_rope_kernel(qkv_ptr, pos_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_p
     src = qkv_ptr + t * s_qkv + h * (2 * HALF) + c
     x1 = tl.load(src, mask=live, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF, mask=live, other=0.0).to(tl.float32)
-    r = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)[:, None]
+    rt = tl.load(rstd_ptr + t)
+    r = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps / (rt * rt))[:, None]
     is_q = h < H
     w1 = tl.where(is_q, tl.load(qw_ptr + c).to(tl.float32), tl.load(kw_ptr + c).to(tl.float32))
     w2 = tl.where(is_q, tl.load(qw_ptr + HALF + c).to(tl.float32), tl.load(kw_ptr + HALF + c).to(tl.float32))
@@ -138,21 +167,25 @@ def _qk_norm_rope_kernel(qkv_ptr, pos_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_p
     kdst = k_ptr + t * (HKV * 2 * HALF) + (h - H) * (2 * HALF) + c
     tl.store(kdst, o1, mask=is_k)
     tl.store(kdst + HALF, o2, mask=is_k)
+    vc = tl.arange(0, VB)  # the v heads, contiguous after q's and k's
+    vm = vc < HKV * 2 * HALF
+    v = tl.load(qkv_ptr + t * s_qkv + (H + HKV) * 2 * HALF + vc, mask=vm).to(tl.float32) * rt
+    tl.store(v_ptr + t * (HKV * 2 * HALF) + vc, v.to(v_ptr.dtype.element_ty), mask=vm)
 
 
-def qk_norm_rope(qkv, pos, q_w, k_w, cos, sin, heads, kv_heads, eps, *, warps=0):
-    """One pass over the qkv GEMM output: q/k RMSNorm per head then RoPE from the cos/sin tables.
-    qkv [T, (H + 2 Hkv) * Dh] -> q [T, H, Dh], k [T, Hkv, Dh] (new), v [T, Hkv, Dh] (a view of qkv).
+def qk_norm_rope(qkv, pos, q_w, k_w, cos, sin, heads, kv_heads, eps, rstd, *, warps=0):
+    """As native.qk_norm_rope, in one pass over the qkv GEMM output: q/k RMSNorm per head then RoPE from the cos/sin
+    tables, v scaled by rstd. qkv [T, (H + 2 Hkv) * Dh] -> q [T, H, Dh], k [T, Hkv, Dh], v [T, Hkv, Dh], all new.
     warps: a launch override for perf/bench_norms.py."""
     T = qkv.shape[0]
     dh = q_w.shape[0]
     q = torch.empty((T, heads, dh), dtype=qkv.dtype, device=qkv.device)
     k = torch.empty((T, kv_heads, dh), dtype=qkv.dtype, device=qkv.device)
+    v = torch.empty((T, kv_heads, dh), dtype=qkv.dtype, device=qkv.device)
     if T:
         # 1 warp a token on large batches (more tokens resident): 16k tokens 20 against 24 us with the default 4
         # (perf/RESULTS.md runs 57-58); on small ones the warps made no difference
-        _qk_norm_rope_kernel[(T,)](qkv, pos, q_w, k_w, cos, sin, q, k, qkv.stride(0), eps, H=heads, HKV=kv_heads,
-                                   NH=triton.next_power_of_2(heads + kv_heads), HALF=dh // 2,
-                                   num_warps=warps or (1 if T >= 4096 else 4))
-    v = qkv.view(T, heads + 2 * kv_heads, dh)[:, heads + kv_heads:]
+        _qk_norm_rope_kernel[(T,)](qkv, pos, q_w, k_w, cos, sin, rstd, q, k, v, qkv.stride(0), eps, H=heads,
+                                   HKV=kv_heads, NH=triton.next_power_of_2(heads + kv_heads), HALF=dh // 2,
+                                   VB=triton.next_power_of_2(kv_heads * dh), num_warps=warps or (1 if T >= 4096 else 4))
     return q, k, v

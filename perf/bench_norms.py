@@ -1,6 +1,7 @@
-"""The row-wise Triton-lang kernels (kernels/triton_ops.py: norm_add_norm, norm_add_rstd, qk_norm_rope) on Gemma's
-shapes, against a plain copy of the same bytes (the bandwidth they could reach), sgl-kernel's norms, and
-qk_norm_rope per warp count. 24 layers' worth of different buffers in one CUDA graph, median us per layer.
+"""The row-wise Triton-lang kernels (kernels/triton_ops.py: norm_add_norm, norm_add_rstd, qk_norm_rope, embed,
+mean_pool) on Gemma's shapes, against a plain copy of the same bytes (the bandwidth they could reach), sgl-kernel's
+norms, qk_norm_rope per warp count and mean_pool per tile. 24 layers' worth of different buffers in one CUDA graph,
+median us per layer (embed and mean_pool run once a forward: the same).
 
   python perf/bench_norms.py [--tokens 16,1024,16384]"""
 import torch
@@ -11,6 +12,7 @@ from egemma.kernels.select import available_norm_backends
 
 H, HKV, DH = 3, 1, 256
 WARPS = (1, 2, 4, 8)
+POOL = ((64, 64, 4), (128, 32, 4), (256, 32, 4), (64, 32, 4), (128, 16, 4))  # rows a step, columns, warps
 
 
 def show(name, T, row, traffic):
@@ -40,10 +42,22 @@ def kernels(T, dev, dt, cos, sin, sgl):
     qkvs = [torch.randn(T, (H + 2 * HKV) * DH, device=dev, dtype=dt) for _ in range(LAYERS)]
     pos = torch.arange(T, device=dev) % 2048
     qw = torch.randn(DH, device=dev, dtype=dt) * 0.1
-    row = {f"w{nw}": per_layer(lambda i: t.qk_norm_rope(qkvs[i], pos, qw, qw, cos, sin, H, HKV, 1e-6, warps=nw))
+    r = torch.rand(T, device=dev) + 0.5
+    row = {f"w{nw}": per_layer(lambda i: t.qk_norm_rope(qkvs[i], pos, qw, qw, cos, sin, H, HKV, 1e-6, r, warps=nw))
            for nw in WARPS}
-    row["default"] = per_layer(lambda i: t.qk_norm_rope(qkvs[i], pos, qw, qw, cos, sin, H, HKV, 1e-6))
-    show("qk_norm_rope", T, row, 2 * T * (H + HKV) * DH * 2)
+    row["default"] = per_layer(lambda i: t.qk_norm_rope(qkvs[i], pos, qw, qw, cos, sin, H, HKV, 1e-6, r))
+    show("qk_norm_rope", T, row, 2 * T * (H + 2 * HKV) * DH * 2)
+    table = torch.randn(262144, D, device=dev, dtype=dt) * 0.03
+    ids = [torch.randint(0, table.shape[0], (T,), device=dev) for _ in range(LAYERS)]
+    scale = torch.tensor(D ** 0.5, dtype=dt)
+    row = {"triton": per_layer(lambda i: t.embed(ids[i], table, scale, 1e-6)),
+           "native": per_layer(lambda i: native.embed(ids[i], table, scale, 1e-6))}
+    show("embed", T, row, 2 * T * D * 2)
+    seqs = min(8, T)  # as the graphs lay a batch out: 8 sequences of T / 8 in min(256, T) slots, the rest empty
+    slots = min(256, T)
+    cu = torch.tensor([T * min(j, seqs) // seqs for j in range(slots + 1)], dtype=torch.int32, device=dev)
+    row = {"x".join(map(str, tile)): per_layer(lambda i: t.mean_pool(xs[i], cu, slots, tile=tile)) for tile in POOL}
+    show("mean_pool", T, row, T * D * 2)
 
 
 def main():

@@ -2,7 +2,8 @@
 perf/RESULTS.md runs 68-76): the encoder's whole layer stack as one Triton-lang kernel. At 16 tokens the layered
 forward is ~190 kernels of ~3-4 us each, all latency; here one grid of programs passes five grid-wide barriers a
 layer instead (~0.9 us each on the H200). A layer's phases:
-  A  the previous layer's post-MLP norm + residual add, the input norm, the qkv GEMM
+  A  the previous layer's post-MLP norm + residual add, the input norm (a row scale: its (1 + w) is in qkv), the
+     qkv GEMM
   B  q/k norm + RoPE and attention, a program per head
   C  the o GEMM
   D  the post-attention norm + residual add, gate_up (the pre-MLP norm folded in, a row scale) + gelu_and_mul
@@ -147,17 +148,16 @@ def _qk(qkv_ptr, head, pos, w_ptr, cos_ptr, sin_ptr, M, eps, NQKV: tl.constexpr,
 
 
 @triton.jit(do_not_specialize=["n_cu", "M", "window", "first", "last"])  # one compile per batch size: BM
-def _layers_kernel(h_a, h_b, qkv_ptr, at_ptr, o_ptr, y_ptr, d_ptr, out_ptr, bar, times, wqkv, wo, wgu, wd, n_in, n_attn,
+def _layers_kernel(h_a, h_b, qkv_ptr, at_ptr, o_ptr, y_ptr, d_ptr, out_ptr, bar, times, wqkv, wo, wgu, wd, n_attn,
                    n_ff, n_q, n_k, n_final, sliding, rope, pos_ptr, cu_ptr, n_cu, M, eps, scale, window, first, last,
                    D: tl.constexpr, I: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr, DH: tl.constexpr,
                    HP: tl.constexpr, NL: tl.constexpr, P: tl.constexpr, BM: tl.constexpr, NCU: tl.constexpr,
                    D1: tl.constexpr, D2: tl.constexpr, I1: tl.constexpr, I2: tl.constexpr, NP: tl.constexpr,
-                   BN: tl.constexpr, PRE: tl.constexpr, SYNC: tl.constexpr, TIMES: tl.constexpr):
+                   BN: tl.constexpr, SYNC: tl.constexpr, TIMES: tl.constexpr):
     """Phases first .. last - 1 of the stack (NP = PHASES a layer, then the final norm), a grid barrier after each
     but the last. The residual goes h_a -> h_b in phase A, h_b -> h_a in phase D. BN: output columns a program
-    computes at a time (gate_up: BN gelu outputs from 2 BN columns). PRE: phase A applies the input norm's (1 + w)
-    (else it is folded into wqkv). TIMES: program 0 writes the GPU clock (ns) at the start and after each phase's
-    barrier to times[first..last]."""
+    computes at a time (gate_up: BN gelu outputs from 2 BN columns). TIMES: program 0 writes the GPU clock (ns) at
+    the start and after each phase's barrier to times[first..last]."""
     NQKV: tl.constexpr = (H + 2 * HKV) * DH
     pid, G = tl.program_id(0), tl.num_programs(0)
     rows = tl.arange(0, BM)
@@ -187,9 +187,6 @@ def _layers_kernel(h_a, h_b, qkv_ptr, at_ptr, o_ptr, y_ptr, d_ptr, out_ptr, bar,
                 # layer 0 adds d = 0 (zeroed at launch): one code path (a runtime branch made phase A 14.7 us against
                 # 10.8 with one call per branch, run 76, which doubled its code)
                 x1, x2, r = _residual(h_a, d_ptr, n_ff + tl.maximum(L - 1, 0) * D, h_b, cb, M, eps, D, D1, D2, BM)
-                if PRE:  # else the input norm's (1 + w) is folded into wqkv
-                    w1, w2 = _vec(n_in + L * D, D, D1, D2)
-                    x1, x2 = x1 * w1, x2 * w2
                 _store(qkv_ptr, _mm(x1, x2, wqkv + L * NQKV * D, cb, NQKV, D, D1, D2, BN) * r, cb, M, NQKV, BM, BN)
         elif stage == 1:  # B: attention, a program per head
             if pid < H:
@@ -251,14 +248,13 @@ def grid(hidden: int, intermediate: int, qkv_rows: int, device: torch.device) ->
 
 def layers(h: torch.Tensor, w: dict[str, torch.Tensor], rope: torch.Tensor, sliding: torch.Tensor,
            pos: torch.Tensor, cu_seqlens: torch.Tensor, *, heads: int, kv_heads: int, eps: float, scale: float,
-           window: int, sync: bool | None = None, times: torch.Tensor | None = None,
-           folded: bool = False) -> torch.Tensor:
+           window: int, sync: bool | None = None, times: torch.Tensor | None = None) -> torch.Tensor:
     """The layered forward's loop and final norm: h [T, D] (the scaled embeddings; overwritten) -> the final-normed
     hidden states [T, D]. w: the layers' weights stacked [layers, ...] (qkv, o, gate_up interleaved with the pre-MLP
-    norm folded in, down, input_norm, post_attn_norm, post_ff_norm, q_norm, k_norm) and final_norm [D]; rope from
+    norm folded in, down, post_attn_norm, post_ff_norm, q_norm, k_norm) and final_norm [D]; rope from
     rope_tables; sliding int32 [layers]; pos [T]; cu_seqlens int32. sync: one launch with grid barriers (default
     on a GPU) or one launch per phase (the interpreter's way). times: int64 [phases + 1], the GPU clock at the start
-    and after each phase (_layers_kernel's TIMES). folded: w["qkv"] has the input norm's (1 + w) in its columns."""
+    and after each phase (_layers_kernel's TIMES)."""
     T, D = h.shape
     nl, qkv_rows = w["qkv"].shape[:2]
     I = w["down"].shape[2]
@@ -280,23 +276,20 @@ def layers(h: torch.Tensor, w: dict[str, torch.Tensor], rope: torch.Tensor, slid
     (d1, d2), (i1, i2) = _pieces(D), _pieces(I)
     for first, last in phases:
         _layers_kernel[(n,)](h, h_b, qkv, at, o, y, d, out, bar, bar if times is None else times, w["qkv"], w["o"],
-                             w["gate_up"], w["down"], w["input_norm"], w["post_attn_norm"], w["post_ff_norm"],
+                             w["gate_up"], w["down"], w["post_attn_norm"], w["post_ff_norm"],
                              w["q_norm"], w["k_norm"], w["final_norm"], sliding, rope, pos, cu_seqlens,
                              cu_seqlens.shape[0], T, eps, scale, window, first, last, D=D, I=I, H=heads,
                              HKV=kv_heads, DH=dh,
                              HP=max(16, dh // 2), NL=nl, P=rope.shape[1], BM=bm,
                              NCU=triton.next_power_of_2(cu_seqlens.shape[0]), D1=d1, D2=d2, I1=i1, I2=i2, NP=PHASES,
-                             BN=BN, PRE=not folded, SYNC=sync, TIMES=times is not None,
+                             BN=BN, SYNC=sync, TIMES=times is not None,
                              num_warps=8, num_stages=1)  # no pipelining: each phase loads its rows at once
     return out
 
 
-def inputs(model: Encoder, folded: bool = False) -> tuple:
-    """layers()' weights, RoPE tables and layer types from a model, made once; folded: the input norm's (1 + w)
-    multiplied into qkv's columns (in fp32), as the pre-MLP norm's is into gate_up's."""
+def inputs(model: Encoder) -> tuple:
+    """layers()' weights, RoPE tables and layer types from a model, made once."""
     w = {k: torch.stack([getattr(L, k) for L in model.layers]) for k in vars(model.layers[0]) if k != "sliding"}
-    if folded:
-        w["qkv"] = (w["qkv"].float() * (1.0 + w["input_norm"].float())[:, None, :]).to(w["qkv"].dtype)
     w["final_norm"] = model.final_norm
     sliding = torch.tensor(model.cfg.sliding, dtype=torch.int32, device=model.device)
     return w, rope_tables(model.rope[True], model.rope[False]), sliding
@@ -336,20 +329,19 @@ def main():
                        check=True, stdout=subprocess.DEVNULL)
         cfg, dev = ModelConfig.load(path), torch.device("cpu")
         model = Encoder(cfg, torch.float32, dev)
-        x, xf = inputs(model), inputs(model, folded=True)
+        x = inputs(model)
         ops = make_ops("native", dev, torch.float32, cfg.hidden, cfg.intermediate)
         for t, lengths in BATCHES.items():
             b, n = graph_batch(lengths, t, cfg.vocab_size, dev)
             want = model.forward(b, ops, (native.attention, native.attention))[:n]
-            for folded, xx in ((False, x), (True, xf)):
-                got = forward_small(model, xx, b, folded=folded)[:n]
-                err = ((got - want).abs().max() / want.abs().max()).item()
-                print(f"{t} tokens {lengths}{', input norm folded' if folded else ''}: max rel err {err:.1e}")
-                assert err <= 1e-5
+            got = forward_small(model, x, b)[:n]
+            err = ((got - want).abs().max() / want.abs().max()).item()
+            print(f"{t} tokens {lengths}: max rel err {err:.1e}")
+            assert err <= 1e-5
         return
     cfg, dev = ModelConfig.load(args.checkpoint), torch.device("cuda")
     model = Encoder(cfg, torch.bfloat16, dev)
-    x, xf = inputs(model), inputs(model, folded=True)
+    x = inputs(model)
     tokens = [int(t) for t in args.tokens.split(",")]
     ops = make_ops("auto", dev, torch.bfloat16, cfg.hidden, cfg.intermediate, 2048, tokens, cfg.layers)
     fa2 = attention_fn("fa2")  # what the engine picks at these sizes (RESULTS run 59)
@@ -360,22 +352,16 @@ def main():
         cos = F.cosine_similarity(one.float(), layered.float()).min().item()
         assert cos >= 0.999, cos
         ms = {"layered": time_ms(lambda: model.forward(b, ops, (fa2, fa2)), reps=11)}
-        cos_f = F.cosine_similarity(forward_small(model, xf, b, folded=True)[:n].float(), layered.float()).min().item()
-        assert cos_f >= 0.999, cos_f
         ms["one kernel"] = time_ms(lambda: forward_small(model, x, b), reps=11)
-        ms["one kernel, input norm folded"] = time_ms(lambda: forward_small(model, xf, b, folded=True), reps=11)
         print(f"{t} tokens: " + ", ".join(f"{k} {v:.3f} ms" for k, v in ms.items())
-              + f" (min cosine {cos:.5f}, folded {cos_f:.5f})")
-        for folded, xx in ((False, x), (True, xf)):
-            times = torch.zeros(PHASES * cfg.layers + 2, dtype=torch.int64, device=dev)
-            for _ in range(3):
-                forward_small(model, xx, b, times=times, folded=folded)
-            us = (times[1:] - times[:-1]).double().cpu() / 1e3  # per phase, after its barrier
-            per = [us[i:PHASES * cfg.layers:PHASES].median().item() for i in range(PHASES)]
-            print(f"  per phase{', folded' if folded else ''}, median over layers, us: "
-                  + ", ".join(f"{n} {v:.2f}" for n, v in zip("ABCDE", per))
-                  + f", final {us[PHASES * cfg.layers].item():.2f}"
-                  + f"; all {us[:PHASES * cfg.layers + 1].sum().item():.1f}")
+              + f" (min cosine {cos:.5f})")
+        times = torch.zeros(PHASES * cfg.layers + 2, dtype=torch.int64, device=dev)
+        for _ in range(3):
+            forward_small(model, x, b, times=times)
+        us = (times[1:] - times[:-1]).double().cpu() / 1e3  # per phase, after its barrier
+        per = [us[i:PHASES * cfg.layers:PHASES].median().item() for i in range(PHASES)]
+        print("  per phase, median over layers, us: " + ", ".join(f"{n} {v:.2f}" for n, v in zip("ABCDE", per))
+              + f", final {us[PHASES * cfg.layers].item():.2f}; all {us[:PHASES * cfg.layers + 1].sum().item():.1f}")
 
 
 if __name__ == "__main__":

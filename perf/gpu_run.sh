@@ -61,7 +61,7 @@ for step in "$@"; do
     engine)
       EGEMMA_FULL_CHECKPOINT="$FULL" python3 -m pytest -q -rs -p no:cacheprovider tests/test_kernels.py tests/test_gpu.py \
         2>&1 | tee "$OUT/gpu_tests.log" | tail -n 25
-      python3 perf/profile_engine.py "$FULL" > "$OUT/profile_engine.log" 2>&1; grep -A3 "^== " "$OUT/profile_engine.log" | cut -c1-150
+      python3 perf/profile_engine.py "$FULL" --trace-dir "$OUT" > "$OUT/profile_engine.log" 2>&1; grep -A3 "^== " "$OUT/profile_engine.log" | cut -c1-260
       python3 perf/bench_engine.py "$FULL" --out "$OUT/bench_engine.json" 2>&1 | tee "$OUT/bench_engine.log" \
         | grep -v "^\s*$" | tail -n 12 ;;
     tests)
@@ -71,7 +71,7 @@ for step in "$@"; do
     norms) python3 perf/bench_norms.py 2>&1 | tee "$OUT/bench_norms.log" ;;
     small) python3 perf/bench_small_batch.py "$FULL" 2>&1 | tee "$OUT/bench_small_batch.log" ;;
     profile)
-      python3 perf/profile_engine.py "$FULL" > "$OUT/profile_engine.log" 2>&1; grep -A3 "^== " "$OUT/profile_engine.log" | cut -c1-150 ;;
+      python3 perf/profile_engine.py "$FULL" --trace-dir "$OUT" > "$OUT/profile_engine.log" 2>&1; grep -A3 "^== " "$OUT/profile_engine.log" | cut -c1-260 ;;
     serve)
       # EGEMMA_MPS=1: the encoder processes share the GPU through CUDA MPS (a user daemon; the GPU's settings
       # are untouched) instead of time-slicing it; the daemon is stopped again after the benchmark.

@@ -1,9 +1,11 @@
 """Where the engine's GPU time goes: torch.profiler over eager forwards of one workload, kernels grouped into
-GEMM / attention / norm / activation / rope / pooling / other, plus graph-replay wall time vs GPU time.
+GEMM / attention / norm / activation / rope / pooling / other, plus graph-replay wall time vs GPU time, and the
+graph's own kernels as they ran in replays: their sum, the idle time between them and where it falls.
 
   python perf/profile_engine.py CHECKPOINT [--batch 64x128]"""
 import argparse
 import collections
+import contextlib
 import time
 
 import numpy as np
@@ -24,17 +26,57 @@ def group(name: str) -> str:
     return next((g for g, keys in GROUPS if any(k in n for k in keys)), "other")
 
 
+def cuda_events(prof):
+    return [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def in_graph(replay, eager: collections.Counter, log=None, reps: int = 5) -> str:
+    """Lines on the kernels of `reps` graph replays: the span of a replay, the GPU idle in it (the span less the
+    union of its kernels' intervals: kernels of one graph may overlap) and the kernel groups it follows, and the
+    kernels that took longer than in the eager forwards (eager: ms a forward by name). log: a file for the first
+    replay's kernels, one a line: start and duration (us) and name."""
+    replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            replay()
+            torch.cuda.synchronize()
+    ks = sorted((e.time_range.start, e.time_range.end, e.name) for e in cuda_events(prof))
+    span = idle = 0.0
+    after, per = collections.Counter(), collections.Counter()
+    first, reach, last = ks[0][0], ks[0][1], ks[0][2]
+    for a, b, name in ks:
+        per[name[:90]] += (b - a) / reps / 1e3
+        if a - reach >= 100:  # us: the host's synchronize between two replays
+            span += reach - first
+            first = a
+        elif a > reach:
+            idle += a - reach
+            after[group(last)] += (a - reach) / reps / 1e3
+        if b > reach:
+            reach, last = b, name
+    span += reach - first
+    one = ks[:next((i for i in range(1, len(ks)) if ks[i][0] - ks[i - 1][1] >= 100), len(ks))]
+    if log:
+        log.write("".join(f"{a - one[0][0]:9.1f} {b - a:7.1f} {name[:100]}\n" for a, b, name in one))
+    slower = sorted(((per[n] - eager.get(n, 0.0), n) for n in per), reverse=True)[:4]
+    return (f"   in graph: span {span / reps / 1e3:.3f} ms, idle {idle / reps / 1e3:.3f} ms, after: "
+            + ", ".join(f"{k} {v:.3f}" for k, v in after.most_common(4))
+            + "\n   in graph slower than eager (ms): " + ", ".join(f"{n[:40]} +{d:.3f}" for d, n in slower))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("checkpoint")
     ap.add_argument("--batch", action="append", default=None, help="NxL, repeatable")
     ap.add_argument("--norm-backend", action="append", default=None, help="repeatable; default: all available")
+    ap.add_argument("--trace-dir", help="where to write each graph's kernels, one replay (graph_NxL.txt)")
     a = ap.parse_args()
     for backend in a.norm_backend or ["auto"]:
-        profile_backend(a.checkpoint, backend, a.batch or ["8x2048", "64x128", "1x16"])
+        profile_backend(a.checkpoint, backend, a.batch or ["8x2048", "64x128", "1x16"], a.trace_dir)
 
 
-def profile_backend(checkpoint, backend, batches):
+def profile_backend(checkpoint, backend, batches, trace_dir=None):
     eng = Engine(EngineConfig(checkpoint, norm_backend=backend))
     rng = np.random.default_rng(0)
     for spec in batches:
@@ -51,11 +93,12 @@ def profile_backend(checkpoint, backend, batches):
             torch.cuda.synchronize()
         per = collections.Counter()
         top = collections.Counter()
-        for e in prof.events():
-            if e.device_type == torch.autograd.DeviceType.CUDA:
-                per[group(e.name)] += e.device_time / 5 / 1e3
-                top[e.name[:90]] += e.device_time / 5 / 1e3
+        for e in cuda_events(prof):
+            per[group(e.name)] += e.device_time / 5 / 1e3
+            top[e.name[:90]] += e.device_time / 5 / 1e3
         replay = time_ms(eng.graphs.graphs[t][0].replay, reps=20, capture=False)
+        with open(f"{trace_dir}/graph_{spec}.txt", "w") if trace_dir else contextlib.nullcontext() as log:
+            graph = in_graph(eng.graphs.graphs[t][0].replay, top, log)
         t0 = time.perf_counter()
         for _ in range(20):
             eng.embed(seqs)
@@ -63,6 +106,7 @@ def profile_backend(checkpoint, backend, batches):
         print(f"\n== norms={backend} {spec} (graph {t}, attention {eng.graphs.attn[t]}): graph replay {replay:.3f} ms GPU, "
               f"embed() {embed_ms:.3f} ms wall, eager kernels {sum(per.values()):.3f} ms")
         print("   " + ", ".join(f"{k} {v:.3f}" for k, v in per.most_common()))
+        print(graph)
         for name, ms in top.most_common(8):
             print(f"   {ms:7.3f} ms  {name}")
 

@@ -4,6 +4,7 @@ import shutil
 
 import numpy as np
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
 
 from helpers import assert_close, make_texts, reference, st_embed_ids, st_model
@@ -58,6 +59,23 @@ def test_window_is_per_sequence_and_two_sided(checkpoints):
 def _copy(src, dst):
     shutil.copytree(src, dst)
     return dst
+
+
+def test_dense_chain_with_biases_is_multiplied_out_like_sentence_transformers(checkpoints, tmp_path):
+    """The Dense layers become one affine map at load (egemma.engine.head): with a bias on each, as
+    sentence-transformers' Dense can have."""
+    ck = _copy(checkpoints["eos"], tmp_path / "bias")
+    for i, sub in enumerate(("2_Dense", "3_Dense")):
+        cfg = json.loads((ck / sub / "config.json").read_text())
+        w = load_file(ck / sub / "model.safetensors")
+        w["linear.bias"] = torch.linspace(-0.5, 0.5 + i, cfg["out_features"])
+        save_file(w, ck / sub / "model.safetensors")
+        (ck / sub / "config.json").write_text(json.dumps({**cfg, "bias": True}))
+    texts = make_texts(5, 60)
+    ours, _ = embed_texts(ck, texts)
+    assert_close(ours, reference(ck, texts))
+    plain, _ = embed_texts(checkpoints["eos"], texts)
+    assert np.abs(ours - plain).max() > 0.01  # the biases moved the embeddings
 
 
 def test_missing_or_unexpected_weight_fails_loudly(checkpoints, tmp_path):

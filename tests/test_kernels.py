@@ -33,10 +33,15 @@ def impls(op):
 
 @pytest.mark.parametrize("T", SIZES)
 @pytest.mark.parametrize("D", [768, 100])
-def test_rmsnorm(T, D):
-    for f in impls("rmsnorm"):
-        x, w = rand(T, D, scale=3), rand(D, scale=0.5)
-        close(f(x, w, 1e-6), native.rmsnorm(x, w, 1e-6))
+def test_embed(T, D):
+    """The gather, the scale rounded to the table's dtype as transformers does, and each row's rstd."""
+    table = rand(1000, D, scale=0.05)
+    ids = torch.randint(0, 1000, (T,), device=DEV)
+    scale = torch.tensor(D ** 0.5, dtype=DTYPE)
+    (h, r), (h_want, r_want) = triton_ops.embed(ids, table, scale, 1e-6), native.embed(ids, table, scale, 1e-6)
+    assert h.dtype == DTYPE and r.dtype == torch.float32
+    close(h, h_want)
+    close(r, r_want)
 
 
 @pytest.mark.parametrize("T", SIZES)
@@ -49,6 +54,17 @@ def test_norm_add_norm_updates_residual_in_place(T):
         want = native.norm_add_norm(x.clone(), r2, w_post, w_pre, 1e-6)
         close(r1, r2)
         close(got, want)
+
+
+@pytest.mark.parametrize("T", SIZES)
+def test_norm_add_rstd_updates_residual_in_place(T):
+    x, r, w_post = rand(T, 768, scale=3), rand(T, 768, scale=10), rand(768, scale=0.5)
+    r1, r2 = r.clone(), r.clone()
+    got = triton_ops.norm_add_rstd(x.clone(), r1, w_post, 1e-6)
+    want = native.norm_add_rstd(x.clone(), r2, w_post, 1e-6)
+    assert got.dtype == want.dtype == torch.float32 and got.shape == (T,)
+    close(r1, r2)
+    close(got, want)
 
 
 @pytest.mark.parametrize("T", SIZES)
@@ -103,14 +119,15 @@ def test_qk_norm_rope(T, heads, kv_heads, dh):
     pos = torch.randint(0, 2048, (T,), device=DEV)
     qw, kw = rand(dh, scale=0.5), rand(dh, scale=0.5)
     cos, sin = native.rope_table(10_000.0, dh, 2048, DEV)
-    got = triton_ops.qk_norm_rope(qkv, pos, qw, kw, cos, sin, heads, kv_heads, 1e-6)
-    want = native.qk_norm_rope(qkv, pos, qw, kw, cos, sin, heads, kv_heads, 1e-6)
+    rstd = torch.rand(T, device=DEV) * 1e-3 + 2e-4  # eps / rstd^2 0.7 to 25: q and k's norms feel it
+    got = triton_ops.qk_norm_rope(qkv, pos, qw, kw, cos, sin, heads, kv_heads, 1e-6, rstd)
+    want = native.qk_norm_rope(qkv, pos, qw, kw, cos, sin, heads, kv_heads, 1e-6, rstd)
     for g, w in zip(got, want):
         assert g.shape == w.shape
         close(g, w)
 
 
-@pytest.mark.parametrize("lengths", [[1], [7, 0, 130], [769, 3, 64, 1]])
+@pytest.mark.parametrize("lengths", [[1], [7, 0, 130], [769, 3, 64, 1], [4099, 2]])  # the last: large-batch tile
 @pytest.mark.parametrize("D", [768, 100])
 def test_mean_pool(lengths, D):
     """As inside a CUDA graph: empty sequences, and padding rows after the last sequence that hold NaN."""

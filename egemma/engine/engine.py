@@ -3,6 +3,7 @@ eager elsewhere) and returns pooled embeddings. Importable and testable without 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -71,8 +72,9 @@ class Engine:
             raise RuntimeError(f"attention backend {ec.attention_backend!r} is not available on {self.device} "
                                f"(available: {have}; known: {ATTENTION_BACKENDS})")
         self.attn_candidates = have if ec.attention_backend == "auto" else [ec.attention_backend]
-        log.info("egemma: %s on %s %s, norms=%s, attention candidates=%s, loaded in %.1fs", cfg.path,
-                 self.device, dtype, self.ops.name, self.attn_candidates, time.perf_counter() - t0)
+        log.info("egemma: %s on %s %s, norms=%s, attention candidates=%s, CUBLAS_WORKSPACE_CONFIG=%s, loaded in "
+                 "%.1fs", cfg.path, self.device, dtype, self.ops.name, self.attn_candidates,
+                 os.environ.get("CUBLAS_WORKSPACE_CONFIG"), time.perf_counter() - t0)
         self.graphs = GraphRunner(self.model, self.ops, self.attn_candidates, buckets, ec.max_seqs,
                                   capture=ec.cuda_graphs) if self.device.type == "cuda" else None
         self.stats = {"graph_replays": 0, "eager_runs": 0, "tokens": 0}

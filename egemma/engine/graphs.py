@@ -157,6 +157,6 @@ class GraphRunner:
         v = self._upload(t)  # the staging buffer is refilled only after the timing below has synchronised
         qkv = torch.randn(t, (c.heads + 2 * c.kv_heads) * c.head_dim, device=self.model.device, dtype=self.model.dtype)
         q, k, vv = self.ops.qk_norm_rope(qkv, v.pos, L.q_norm, L.k_norm, *self.model.rope[True], c.heads,
-                                         c.kv_heads, c.eps)
+                                         c.kv_heads, c.eps, torch.ones(t, device=qkv.device))
         cu = v.cu_seqlens.int()
         return tuple(pick_attention(cands, q, k, vv, cu, m, w, c.attn_scale) for w in (c.window, -1))

@@ -2,9 +2,11 @@
 
 Shapes: T packed tokens, B sequences, D hidden, H / Hkv heads, Dh head_dim, I intermediate.
 The residual stream is threaded through the layers so that every residual add is fused with the post-norm before
-it and the pre-norm after it (`norm_add_norm`); q/k/v and gate/up are joined into one GEMM each at load
-(egemma.engine.weights), and the pre-MLP norm's weight is folded into gate_up's, so that `mlp_up` may run that norm
-as a row scale in the gate_up GEMM's epilogue, with gelu_and_mul."""
+it and the pre-norm after it; q/k/v and gate/up are joined into one GEMM each at load (egemma.engine.weights), and
+both pre-norms' weights are folded into those GEMMs, so the pre-norms only compute each row's scale (rstd) and never
+write their output. The qkv GEMM reads the residual stream itself and qk_norm_rope applies the scale: to v, and to
+q and k, RMS-normalised per head there anyway, as their norms' eps / rstd^2. `mlp_up` may apply its row scale in
+the gate_up GEMM's epilogue, with gelu_and_mul."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -39,14 +41,13 @@ class Packed:
 
 @dataclass
 class Layer:
-    qkv: torch.Tensor  # [(H + 2 Hkv) Dh, D]
+    qkv: torch.Tensor  # [(H + 2 Hkv) Dh, D], input_layernorm's (1 + w) folded in
     o: torch.Tensor  # [D, H Dh]
     gate_up: torch.Tensor  # [2I, D], gate and up rows interleaved, pre_feedforward_layernorm's (1 + w) folded in
     down: torch.Tensor  # [D, I]
     q_norm: torch.Tensor  # [Dh]
     k_norm: torch.Tensor
-    input_norm: torch.Tensor  # [D] each
-    post_attn_norm: torch.Tensor
+    post_attn_norm: torch.Tensor  # [D] each
     post_ff_norm: torch.Tensor
     sliding: bool
 
@@ -67,23 +68,24 @@ class Encoder:
         """Bytes of the weights held on the device (the per-instance memory budget: perf/RESULTS.md, issue #12)."""
         ts = [self.embed, self.final_norm, *(v for L in self.layers for v in vars(L).values()
                                              if isinstance(v, torch.Tensor)),
-              *(t for w, b in self.head.dense for t in (w, b) if t is not None)]
+              *(t for t in self.head.dense if t is not None)]
         return sum(t.numel() * t.element_size() for t in ts)
 
     def forward(self, b: Packed, ops: Ops, attn: tuple[Callable, Callable]) -> torch.Tensor:
         """Final-normed hidden states [T, D]. attn: (sliding-layer attention, global-layer attention)."""
         c = self.cfg
-        h = F.embedding(b.ids, self.embed) * self.embed_scale  # residual stream [T, D]
-        x = ops.rmsnorm(h, self.layers[0].input_norm, c.eps)
+        h, rstd = ops.embed(b.ids, self.embed, self.embed_scale, c.eps)  # residual stream [T, D], [T]
         for i, L in enumerate(self.layers):
             cos, sin = self.rope[L.sliding]
-            q, k, v = ops.qk_norm_rope(x @ L.qkv.T, b.pos, L.q_norm, L.k_norm, cos, sin, c.heads, c.kv_heads, c.eps)
+            q, k, v = ops.qk_norm_rope(h @ L.qkv.T, b.pos, L.q_norm, L.k_norm, cos, sin, c.heads, c.kv_heads, c.eps,
+                                       rstd)
             a = attn[0 if L.sliding else 1](q, k, v, b.cu_seqlens, b.max_seqlen,
                                              c.window if L.sliding else -1, c.attn_scale)  # [T, H, Dh]
             y = ops.mlp_up(a.reshape(a.shape[0], -1) @ L.o.T, h, L.post_attn_norm, L.gate_up, c.eps)  # [T, I]
-            nxt = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.final_norm
-            x = ops.norm_add_norm(y @ L.down.T, h, L.post_ff_norm, nxt, c.eps)
-        return x
+            d = y @ L.down.T  # [T, D]
+            if i + 1 == len(self.layers):  # the final norm is written: pooling reads it
+                return ops.norm_add_norm(d, h, L.post_ff_norm, self.final_norm, c.eps)
+            rstd = ops.norm_add_rstd(d, h, L.post_ff_norm, c.eps)
 
     def embed_packed(self, b: Packed, n: int, ops: Ops, attn: tuple[Callable, Callable]) -> torch.Tensor:
         """fp32 embeddings [n, out_dim] of the first n sequences of b."""

@@ -1,7 +1,7 @@
 """Every Gemma3 weight the encoder loads, in one table: its shape from the config and the fused tensor it joins.
 The table drives strict loading (a missing, unexpected or mis-shaped weight fails naming it), fusing at load
-(q/k/v -> qkv, gate/up -> gate_up: one GEMM each; the pre-MLP norm's weight folded into gate_up, FOLDED) and the
-test checkpoint generator."""
+(q/k/v -> qkv, gate/up -> gate_up: one GEMM each; the pre-attention and pre-MLP norms' weights folded into qkv and
+gate_up, FOLDED) and the test checkpoint generator."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -35,8 +35,9 @@ LAYER: dict[str, tuple[str, Shape]] = {
 # (kernels/fused_gemm.py); every gelu_and_mul reads that order.
 INTERLEAVED = {"gate_up"}
 # Norms whose (1 + w) is multiplied into the columns of the GEMM they feed, at load in fp32: the norm then only
-# scales each row, which the GEMM's epilogue can do (egemma.kernels.select, mlp_up), and its output is never written.
-FOLDED = {"pre_ff_norm": "gate_up"}
+# scales each row and its output is never written. gate_up's epilogue takes the row scale (egemma.kernels.select,
+# mlp_up); qkv's needs none for q and k, which are RMS-normalised per head after it, and v takes it in qk_norm_rope.
+FOLDED = {"input_norm": "qkv", "pre_ff_norm": "gate_up"}
 GLOBAL: dict[str, tuple[str, Shape]] = {
     "embed_tokens": ("embed", lambda c: (c.vocab_size, c.hidden)),
     "norm": ("final_norm", lambda c: (c.hidden,)),
