@@ -17,7 +17,7 @@ def norm_add_norm(x, residual, w_post, w_pre, eps):
     return rmsnorm(residual, w_pre, eps)
 
 
-def rstd(x, eps):
+def _rstd(x, eps):
     """Each row's rsqrt(mean(x^2) + eps), fp32 [T]: the scale of an RMSNorm whose (1 + w) sits in the next GEMM."""
     return torch.rsqrt(x.float().pow(2).mean(-1) + eps)
 
@@ -26,14 +26,14 @@ def norm_add_rstd(x, residual, w_post, eps):
     """As norm_add_norm, but returns only the updated residual's rstd: the next norm's (1 + w) is folded into the
     GEMM after it (egemma.engine.weights.FOLDED)."""
     residual.add_(rmsnorm(x, w_post, eps))
-    return rstd(residual, eps)
+    return _rstd(residual, eps)
 
 
 def embed(ids, table, scale, eps):
     """The residual stream's start and its rows' rstd: (table[ids] * scale [T, D], as transformers rounds it to the
     table's dtype, rstd of that [T])."""
     h = F.embedding(ids, table) * scale
-    return h, rstd(h, eps)
+    return h, _rstd(h, eps)
 
 
 def gelu_tanh_and_mul(gate_up):

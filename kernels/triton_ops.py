@@ -34,10 +34,10 @@ def _row_warps(T: int) -> int:
     return 2 if T >= 4096 else 4
 
 
-def _norm_add(x, res, w_post, w, out, eps, rstd):
+def _norm_add(x, res, w_post, w, out, eps, rstd_only):
     if x.shape[0]:
         _norm_add_kernel[(x.shape[0],)](x, res, w_post, w, out, x.shape[1], eps, x.stride(0), res.stride(0),
-                                        out.stride(0), RSTD=rstd, BLOCK=triton.next_power_of_2(x.shape[1]),
+                                        out.stride(0), RSTD=rstd_only, BLOCK=triton.next_power_of_2(x.shape[1]),
                                         num_warps=_row_warps(x.shape[0]))
     return out
 
@@ -129,8 +129,8 @@ def mean_pool(x, cu_seqlens, n, *, tile=None):
     warps), an override for perf/bench_norms.py."""
     out = torch.empty((n, x.shape[1]), dtype=torch.float32, device=x.device)
     if n:
-        # long sequences: 32 columns (more programs) and 128 rows a step, 30 against 41 us for 8 x 2048; short: 64 x
-        # 64, 10.7 against 12.8 for 8 x 128 (perf/RESULTS.md run 78)
+        # from 4096 tokens 32 columns a program (more programs) and 128 rows a step: 30 against 41 us for 8 x 2048;
+        # below, 64 x 64: 10.7 against 12.8 for 8 x 128 (perf/RESULTS.md runs 78-79)
         br, bd, warps = tile or ((128, 32, 4) if x.shape[0] >= 4096 else (64, 64, 4))
         _mean_pool_kernel[(n, triton.cdiv(x.shape[1], bd))](x, cu_seqlens, out, x.shape[1], x.stride(0),
                                                              BLOCK_R=br, BLOCK_D=bd, num_warps=warps)
@@ -179,6 +179,8 @@ def qk_norm_rope(qkv, pos, q_w, k_w, cos, sin, heads, kv_heads, eps, rstd, *, wa
     warps: a launch override for perf/bench_norms.py."""
     T = qkv.shape[0]
     dh = q_w.shape[0]
+    if not (rstd.shape == (T,) and rstd.dtype == torch.float32 and rstd.is_contiguous()):
+        raise ValueError(f"qk_norm_rope: rstd must be contiguous fp32 [{T}], got {rstd.dtype} {tuple(rstd.shape)}")
     q = torch.empty((T, heads, dh), dtype=qkv.dtype, device=qkv.device)
     k = torch.empty((T, kv_heads, dh), dtype=qkv.dtype, device=qkv.device)
     v = torch.empty((T, kv_heads, dh), dtype=qkv.dtype, device=qkv.device)

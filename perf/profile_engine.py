@@ -1,5 +1,5 @@
 """Where the engine's GPU time goes: torch.profiler over eager forwards of one workload, kernels grouped into
-GEMM / attention / norm / activation / rope / pooling / other, plus graph-replay wall time vs GPU time, and the
+GEMM / attention / norm (q/k-norm + RoPE among them) / copy / other, plus graph-replay wall time vs GPU time, and the
 graph's own kernels as they ran in replays: their sum, the idle time between them and where it falls.
 
   python perf/profile_engine.py CHECKPOINT [--batch 64x128]"""
@@ -42,27 +42,28 @@ def in_graph(replay, eager: collections.Counter, log=None, reps: int = 5) -> str
             replay()
             torch.cuda.synchronize()
     ks = sorted((e.time_range.start, e.time_range.end, e.name) for e in cuda_events(prof))
+    n = len(ks) // reps  # the replays ran one after another: each its own n kernels
+    if n * reps != len(ks):
+        raise RuntimeError(f"{len(ks)} kernels in {reps} replays of one graph")
     span = idle = 0.0
     after, per = collections.Counter(), collections.Counter()
-    first, reach, last = ks[0][0], ks[0][1], ks[0][2]
-    for a, b, name in ks:
-        per[name[:90]] += (b - a) / reps / 1e3
-        if a - reach >= 100:  # us: the host's synchronize between two replays
-            span += reach - first
-            first = a
-        elif a > reach:
-            idle += a - reach
-            after[group(last)] += (a - reach) / reps / 1e3
-        if b > reach:
-            reach, last = b, name
-    span += reach - first
-    one = ks[:next((i for i in range(1, len(ks)) if ks[i][0] - ks[i - 1][1] >= 100), len(ks))]
+    for r in range(reps):
+        one = ks[r * n:(r + 1) * n]
+        reach, last = one[0][1], one[0][2]  # the latest end so far, and whose
+        for a, b, name in one:
+            per[name[:90]] += (b - a) / reps / 1e3
+            if a > reach:
+                idle += a - reach
+                after[group(last)] += (a - reach) / reps / 1e3
+            if b > reach:
+                reach, last = b, name
+        span += reach - one[0][0]
     if log:
-        log.write("".join(f"{a - one[0][0]:9.1f} {b - a:7.1f} {name[:100]}\n" for a, b, name in one))
-    slower = sorted(((per[n] - eager.get(n, 0.0), n) for n in per), reverse=True)[:4]
+        log.write("".join(f"{a - ks[0][0]:9.1f} {b - a:7.1f} {name[:100]}\n" for a, b, name in ks[:n]))
+    slower = sorted(((per[k] - eager.get(k, 0.0), k) for k in per if per[k] > eager.get(k, 0.0)), reverse=True)[:4]
     return (f"   in graph: span {span / reps / 1e3:.3f} ms, idle {idle / reps / 1e3:.3f} ms, after: "
             + ", ".join(f"{k} {v:.3f}" for k, v in after.most_common(4))
-            + "\n   in graph slower than eager (ms): " + ", ".join(f"{n[:40]} +{d:.3f}" for d, n in slower))
+            + "\n   in graph slower than eager (ms): " + ", ".join(f"{k[:40]} +{d:.3f}" for d, k in slower))
 
 
 def main():

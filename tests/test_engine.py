@@ -61,11 +61,12 @@ def _copy(src, dst):
     return dst
 
 
-def test_dense_chain_with_biases_is_multiplied_out_like_sentence_transformers(checkpoints, tmp_path):
-    """The Dense layers become one affine map at load (egemma.engine.head): with a bias on each, as
+@pytest.mark.parametrize("biased", [("2_Dense", "3_Dense"), ("2_Dense",), ("3_Dense",)])
+def test_dense_chain_with_biases_is_multiplied_out_like_sentence_transformers(checkpoints, tmp_path, biased):
+    """The Dense layers become one affine map at load (egemma.engine.head): with a bias on either or both, as
     sentence-transformers' Dense can have."""
     ck = _copy(checkpoints["eos"], tmp_path / "bias")
-    for i, sub in enumerate(("2_Dense", "3_Dense")):
+    for i, sub in enumerate(biased):
         cfg = json.loads((ck / sub / "config.json").read_text())
         w = load_file(ck / sub / "model.safetensors")
         w["linear.bias"] = torch.linspace(-0.5, 0.5 + i, cfg["out_features"])
@@ -106,6 +107,12 @@ def test_wrong_shape_and_bad_config_fail_loudly(checkpoints, tmp_path):
     cfg["use_bidirectional_attention"] = False
     (ck / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match="bidirectional"):
+        ModelConfig.load(ck)
+    (ck / "config.json").write_text(json.dumps({**cfg, "use_bidirectional_attention": True}))
+    dense = json.loads((ck / "2_Dense" / "config.json").read_text())
+    del dense["activation_function"]  # sentence-transformers' default, Tanh, which the head does not apply
+    (ck / "2_Dense" / "config.json").write_text(json.dumps(dense))
+    with pytest.raises(CheckpointError, match="Tanh"):
         ModelConfig.load(ck)
     with pytest.raises(ValueError, match="fp16"):
         Engine(EngineConfig(str(checkpoints["eos"]), dtype="float16"))

@@ -57,8 +57,9 @@ def test_norm_add_norm_updates_residual_in_place(T):
 
 
 @pytest.mark.parametrize("T", SIZES)
-def test_norm_add_rstd_updates_residual_in_place(T):
-    x, r, w_post = rand(T, 768, scale=3), rand(T, 768, scale=10), rand(768, scale=0.5)
+@pytest.mark.parametrize("D", [768, 100])
+def test_norm_add_rstd_updates_residual_in_place(T, D):
+    x, r, w_post = rand(T, D, scale=3), rand(T, D, scale=10), rand(D, scale=0.5)
     r1, r2 = r.clone(), r.clone()
     got = triton_ops.norm_add_rstd(x.clone(), r1, w_post, 1e-6)
     want = native.norm_add_rstd(x.clone(), r2, w_post, 1e-6)
@@ -113,7 +114,7 @@ def test_mlp_up(T, D, I):
 
 
 @pytest.mark.parametrize("T", SIZES)
-@pytest.mark.parametrize("heads,kv_heads,dh", [(3, 1, 256), (3, 1, 16), (4, 2, 64)])
+@pytest.mark.parametrize("heads,kv_heads,dh", [(3, 1, 256), (3, 1, 16), (4, 2, 64), (6, 3, 32)])  # v: 96 wide
 def test_qk_norm_rope(T, heads, kv_heads, dh):
     qkv = rand(T, (heads + 2 * kv_heads) * dh, scale=2)
     pos = torch.randint(0, 2048, (T,), device=DEV)

@@ -121,7 +121,7 @@ def _sentence_transformers_modules(path: Path) -> dict:
                 raise CheckpointError(f"{mdir}: only mean pooling over all tokens is supported, got {p}")
         elif kind == "Dense":
             d = _read_json(mdir / "config.json")
-            act = d.get("activation_function", "torch.nn.modules.linear.Identity")
+            act = d.get("activation_function", "torch.nn.modules.activation.Tanh")  # sentence-transformers' default
             if not act.endswith("Identity"):
                 raise CheckpointError(f"{mdir}: Dense activation {act} is not supported (Identity only)")
             dense.append(DenseSpec(mdir, d["in_features"], d["out_features"], bool(d.get("bias", True))))

@@ -71,8 +71,9 @@ class GraphRunner:
         dev = self.model.device
         before = (torch.cuda.memory_allocated(dev), torch.cuda.memory_reserved(dev),
                   torch.cuda.max_memory_allocated(dev))  # the weights, and the kernel choice's leftovers and peak
-        # One side stream for every warm-up and capture: cuBLAS keeps a 32 MiB workspace per stream for good, and
-        # a fresh stream per graph held 1.03 GiB of them (issue #12's per-instance memory; perf/RESULTS.md run 32).
+        # One side stream for every warm-up and capture: cuBLAS, when it has a workspace (the engine's default is
+        # none), keeps 32 MiB of it per stream for good, and a fresh stream per graph held 1.03 GiB of them (issue
+        # #12's per-instance memory; perf/RESULTS.md run 32).
         s = torch.cuda.Stream(dev)
         for k in reversed(self.keys):
             self._fill_dummy(k)

@@ -83,9 +83,9 @@ class Encoder:
                                              c.window if L.sliding else -1, c.attn_scale)  # [T, H, Dh]
             y = ops.mlp_up(a.reshape(a.shape[0], -1) @ L.o.T, h, L.post_attn_norm, L.gate_up, c.eps)  # [T, I]
             d = y @ L.down.T  # [T, D]
-            if i + 1 == len(self.layers):  # the final norm is written: pooling reads it
-                return ops.norm_add_norm(d, h, L.post_ff_norm, self.final_norm, c.eps)
-            rstd = ops.norm_add_rstd(d, h, L.post_ff_norm, c.eps)
+            if i + 1 < len(self.layers):
+                rstd = ops.norm_add_rstd(d, h, L.post_ff_norm, c.eps)
+        return ops.norm_add_norm(d, h, self.layers[-1].post_ff_norm, self.final_norm, c.eps)  # pooling reads it
 
     def embed_packed(self, b: Packed, n: int, ops: Ops, attn: tuple[Callable, Callable]) -> torch.Tensor:
         """fp32 embeddings [n, out_dim] of the first n sequences of b."""
