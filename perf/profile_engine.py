@@ -1,6 +1,7 @@
 """Where the engine's GPU time goes: torch.profiler over eager forwards of one workload, kernels grouped into
 GEMM / attention / norm (q/k-norm + RoPE among them) / copy / other, plus graph-replay wall time vs GPU time, and the
-graph's own kernels as they ran in replays: their sum, the idle time between them and where it falls.
+graph's own kernels as they ran in replays: their sum, the idle time between them and where it falls. "ten queued":
+the replay time with ten launched back to back, which hides what a single replay waits for its launch.
 
   python perf/profile_engine.py CHECKPOINT [--batch 64x128]"""
 import argparse
@@ -97,15 +98,18 @@ def profile_backend(checkpoint, backend, batches, trace_dir=None):
         for e in cuda_events(prof):
             per[group(e.name)] += e.device_time / 5 / 1e3
             top[e.name[:90]] += e.device_time / 5 / 1e3
-        replay = time_ms(eng.graphs.graphs[t][0].replay, reps=20, capture=False)
+        g = eng.graphs.graphs[t][0]
+        replay = time_ms(g.replay, reps=20, capture=False)
+        queued = time_ms(lambda: [g.replay() for _ in range(10)], reps=7, capture=False) / 10
         with open(f"{trace_dir}/graph_{spec}.txt", "w") if trace_dir else contextlib.nullcontext() as log:
-            graph = in_graph(eng.graphs.graphs[t][0].replay, top, log)
+            graph = in_graph(g.replay, top, log)
         t0 = time.perf_counter()
         for _ in range(20):
             eng.embed(seqs)
         embed_ms = (time.perf_counter() - t0) / 20 * 1e3
-        print(f"\n== norms={backend} {spec} (graph {t}, attention {eng.graphs.attn[t]}): graph replay {replay:.3f} ms GPU, "
-              f"embed() {embed_ms:.3f} ms wall, eager kernels {sum(per.values()):.3f} ms")
+        print(f"\n== norms={backend} {spec} (graph {t}, attention {eng.graphs.attn[t]}): graph replay {replay:.3f} "
+              f"ms GPU ({queued:.3f} ten queued), embed() {embed_ms:.3f} ms wall, eager kernels "
+              f"{sum(per.values()):.3f} ms")
         print("   " + ", ".join(f"{k} {v:.3f}" for k, v in per.most_common()))
         print(graph)
         for name, ms in top.most_common(8):
