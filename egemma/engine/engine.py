@@ -62,8 +62,9 @@ class Engine:
             # cuBLAS without a workspace: its Hopper GEMMs then take their static-schedule variants, which need no
             # memset before each launch; in a CUDA graph each memset left the GPU idle ~4 us before its GEMM, 72
             # times a forward of 16k tokens, and the variants ran faster besides (perf/RESULTS.md runs 80-83). Eager
-            # calls pay on the host for it, hence graphs only. torch reads it at the process's first cuBLAS call,
-            # which in a model instance is the one below; a value set before stands.
+            # calls pay on the host for it, hence graphs only. torch reads it at the process's first cuBLAS call
+            # (in a model instance, the warm-up below; after one, setting it here changes nothing); a value set
+            # before stands.
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":0:0")
         self.model = Encoder(cfg, DTYPES[dtype], self.device)
         if self.device.type == "cuda":  # kernels are chosen by timing below: bring the clocks up first
@@ -79,9 +80,9 @@ class Engine:
             raise RuntimeError(f"attention backend {ec.attention_backend!r} is not available on {self.device} "
                                f"(available: {have}; known: {ATTENTION_BACKENDS})")
         self.attn_candidates = have if ec.attention_backend == "auto" else [ec.attention_backend]
-        log.info("egemma: %s on %s %s, norms=%s, attention candidates=%s, CUBLAS_WORKSPACE_CONFIG=%s (as at the "
-                 "process's first cuBLAS call), loaded in %.1fs", cfg.path, self.device, dtype, self.ops.name,
-                 self.attn_candidates, os.environ.get("CUBLAS_WORKSPACE_CONFIG"), time.perf_counter() - t0)
+        log.info("egemma: %s on %s %s, norms=%s, attention candidates=%s, CUBLAS_WORKSPACE_CONFIG=%s, loaded in "
+                 "%.1fs", cfg.path, self.device, dtype, self.ops.name, self.attn_candidates,
+                 os.environ.get("CUBLAS_WORKSPACE_CONFIG"), time.perf_counter() - t0)
         self.graphs = GraphRunner(self.model, self.ops, self.attn_candidates, buckets, ec.max_seqs,
                                   capture=ec.cuda_graphs) if self.device.type == "cuda" else None
         self.stats = {"graph_replays": 0, "eager_runs": 0, "tokens": 0}
