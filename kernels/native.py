@@ -4,10 +4,14 @@ import torch
 import torch.nn.functional as F
 
 
+def _rstd(x, eps):
+    """rsqrt(mean(x^2) + eps) over the last dim, fp32 (x [..., D] -> [...]; eps a number or a tensor of that
+    shape): an RMSNorm's scale, also on its own where the norm's (1 + w) sits in the next GEMM."""
+    return torch.rsqrt(x.float().pow(2).mean(-1) + eps)
+
+
 def rmsnorm(x, w, eps):  # [T, D] -> [T, D]
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (xf * (1.0 + w.float())).to(x.dtype)
+    return (x.float() * _rstd(x, eps)[..., None] * (1.0 + w.float())).to(x.dtype)
 
 
 def norm_add_norm(x, residual, w_post, w_pre, eps):
@@ -15,11 +19,6 @@ def norm_add_norm(x, residual, w_post, w_pre, eps):
     returns rmsnorm(residual, w_pre). The residual is updated in place."""
     residual.add_(rmsnorm(x, w_post, eps))
     return rmsnorm(residual, w_pre, eps)
-
-
-def _rstd(x, eps):
-    """Each row's rsqrt(mean(x^2) + eps), fp32 [T]: the scale of an RMSNorm whose (1 + w) sits in the next GEMM."""
-    return torch.rsqrt(x.float().pow(2).mean(-1) + eps)
 
 
 def norm_add_rstd(x, residual, w_post, eps):
@@ -81,11 +80,10 @@ def qk_norm_rope(qkv, pos, q_w, k_w, cos, sin, heads, kv_heads, eps, rstd):
     T = qkv.shape[0]
     q, k, v = qkv.view(T, heads + 2 * kv_heads, -1).split([heads, kv_heads, kv_heads], dim=1)
     c, s = cos[pos][:, None, :], sin[pos][:, None, :]  # [T, 1, Dh/2]
-    eps_rows = eps / rstd.pow(2)[:, None, None]  # [T, 1, 1]
+    eps_rows = eps / rstd.pow(2)[:, None]  # [T, 1]
 
     def norm_rope(x, w):
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps_rows) * (1.0 + w.float())
+        xf = x.float() * _rstd(x, eps_rows)[..., None] * (1.0 + w.float())
         x1, x2 = xf.chunk(2, dim=-1)
         return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
 
