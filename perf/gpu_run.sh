@@ -10,8 +10,8 @@
 #   tests                only the GPU tests (tests/test_kernels.py, tests/test_gpu.py)
 #   fused                perf/bench_fused.py: the fused gate_up + gelu GEMM against cuBLAS + gelu_and_mul, per size
 #   norms                perf/bench_norms.py: the row-wise kernels against a copy of the same bytes, per warp count
-#   small                perf/bench_small_batch.py: a candidate, the layer stack as one kernel for small batches, against
-#                        the layered forward (checked, then timed)
+#   small                perf/bench_small_batch.py: the layer stack as one kernel (kernels/layer_stack.py) against the
+#                        layered forward for small batches (checked, timed, then its per-phase clock)
 #   profile              only perf/profile_engine.py (kernels by group)
 #   serve                serving benchmark (perf/bench_serve.py) incl. the sentence-transformers baseline and
 #                        the instance-count sweep in $EGEMMA_SWEEP (space-separated MODEL=N,MODEL=N variants);

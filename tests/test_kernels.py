@@ -142,3 +142,28 @@ def test_mean_pool(lengths, D):
     for i, n in enumerate(lengths):
         ref = x[int(cu[i]):int(cu[i + 1])].float().mean(0) if n else torch.zeros(D, device=DEV)
         assert torch.allclose(want[i], ref, atol=1e-5)
+
+
+@pytest.mark.parametrize("lengths", [[5, 9], [1, 17, 7]])  # 17 straddles the small checkpoint's window of 16
+def test_layer_stack_matches_the_layered_forward(checkpoints, lengths):
+    """kernels/layer_stack.py against Encoder.forward, in the CUDA graphs' batch layout (the padding one more
+    sequence, unused slots empty). CPU: the interpreter, a launch a phase, fp32, native ops; GPU: bf16, one launch
+    with grid barriers, the same as a launch a phase bit for bit."""
+    from egemma.engine.config import ModelConfig
+    from egemma.engine.model import Encoder, Packed
+    model = Encoder(ModelConfig.load(checkpoints["eos"]), DTYPE, DEV)
+    n = sum(lengths)
+    t = 16 if n <= 16 else 32
+    ids = torch.cat([torch.randint(4, model.cfg.vocab_size, (n,)), torch.zeros(t - n, dtype=torch.long)])
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist(), n, n, t], dtype=torch.int32)
+    pos = torch.cat([torch.arange(k) for k in lengths] + [torch.zeros(t - n, dtype=torch.long)])
+    b = Packed(ids.to(DEV), pos.to(DEV), cu.to(DEV), t)
+    ops = make_ops("triton" if CUDA else "native", DEV, DTYPE, model.cfg.hidden, model.cfg.intermediate)
+    attn = (select.attention_fn("fa2" if CUDA else "native"),) * 2
+    got = model.forward_stack(b, ops)
+    want = model.forward(b, ops, attn)[:n].float()
+    if CUDA:
+        assert torch.equal(got, model.forward_stack(b, ops, sync=False))
+        assert torch.nn.functional.cosine_similarity(got[:n].float(), want).min().item() >= 0.999
+    else:
+        close(got[:n], want)

@@ -120,7 +120,7 @@ class Engine:
             ids = np.concatenate(seqs[a:b])
             self.stats["tokens"] += ids.size
             if self.graphs is not None:
-                out[a:b], replayed = self.graphs.run(ids, lengths[a:b])
+                _, replayed = self.graphs.run(ids, lengths[a:b], out=out[a:b])
                 self.stats["graph_replays" if replayed else "eager_runs"] += 1
             else:
                 self.stats["eager_runs"] += 1

@@ -2,7 +2,8 @@
 class), captured largest-first into one memory pool. A batch replays the smallest graph that holds it: the
 padding tokens form one extra sequence that pooling ignores, and unused sequence slots are empty
 (cu_seqlens repeats). Attention's grid follows max_seqlen, so short-sequence batches get graphs with a small
-one. The attention backend of each graph and layer type is picked by timing at load (egemma.kernels.select)."""
+one. The attention backend of each graph and layer type is picked by timing at load (egemma.kernels.select), and
+so is, for the smallest buckets, the layer stack as one kernel (kernels/layer_stack.py) against the layered forward."""
 from __future__ import annotations
 
 import logging
@@ -13,11 +14,14 @@ import numpy as np
 import torch
 
 from egemma.engine.model import Encoder, Packed
-from egemma.kernels.select import Ops, attention_fn, pick_attention
+from egemma.kernels.select import Ops, attention_fn, pick_attention, time_ms
 
 log = logging.getLogger("egemma")
 
 SEQ_CLASSES = (128, 512, 2048)  # graph variants by longest sequence (clipped to the model's positions)
+# Buckets offered the layer stack as one kernel (kernels/layer_stack.py): it won at 16 tokens and lost by half at 32
+# (perf/RESULTS.md runs 86-87); the choice is still timed at load.
+STACK_TOKENS = 16
 
 
 def bucket_sizes(max_tokens: int) -> list[int]:
@@ -50,11 +54,16 @@ class GraphRunner:
         size = 2 * buckets[-1] + max_seqs + 2
         self.meta = torch.zeros(size, dtype=torch.int64, device=dev)
         self.staging = torch.zeros(size, dtype=torch.int64, pin_memory=True)
+        # the embeddings come back through pinned memory: a pageable .cpu() took ~0.07 ms more at 1 x 16 (perf/
+        # RESULTS.md run 87)
+        self.results = torch.zeros((max_seqs, c.out_dim), dtype=torch.float32, pin_memory=True)
         self.keys = [(t, m) for t in buckets for m in sorted({min(m, t) for m in self.classes})]
         cands = [b for b in attention if b != "native"]  # native attention syncs: not capturable
         self.attn = {k: self._pick_attention(k, cands) if cands else ("native", "native") for k in self.keys}
         log.info("egemma: attention per (tokens, max_seqlen) -> (sliding, global): %s",
                  ", ".join(f"{t}/{m}:{a[0]}/{a[1]}" for (t, m), a in self.attn.items()))
+        timed = capture and bool(cands)  # both choices are timed as CUDA graphs
+        self.stack = {k: timed and self._pick_stack(k) for k in self.keys}
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.capture_s = self._capture() if capture and cands else 0.0
 
@@ -105,14 +114,15 @@ class GraphRunner:
         self.meta[:v.size].copy_(self.staging[:v.size], non_blocking=True)
         return v
 
-    def _forward(self, key: tuple[int, int]) -> torch.Tensor:
+    def _forward(self, key: tuple[int, int], stack: bool | None = None) -> torch.Tensor:
         """The forward from the staged inputs, their copy to the GPU first: inside each graph, so that a replay is
-        one launch."""
+        one launch. stack: the layers as one kernel (default: as chosen for this graph)."""
         t, m = key
         v = self._upload(t)
         a = self.attn[key]
         b = Packed(v.ids, v.pos, v.cu_seqlens.int(), m)
-        return self.model.embed_packed(b, self.slots(t), self.ops, (attention_fn(a[0]), attention_fn(a[1])))
+        return self.model.embed_packed(b, self.slots(t), self.ops, (attention_fn(a[0]), attention_fn(a[1])),
+                                       self.stack.get(key, False) if stack is None else stack)
 
     def _fill(self, t: int, ids: np.ndarray, lengths: list[int]):
         B, T = len(lengths), ids.size
@@ -136,17 +146,34 @@ class GraphRunner:
         t = next(t for t in self.buckets if t >= n_tokens)
         return t, min(next(m for m in self.classes if m >= max_len), t)
 
-    def run(self, ids: np.ndarray, lengths: list[int], use_graph: bool = True) -> tuple[np.ndarray, bool]:
-        """(embeddings [len(lengths), out_dim] fp32, whether a graph was replayed)."""
+    def run(self, ids: np.ndarray, lengths: list[int], use_graph: bool = True,
+            out: np.ndarray | None = None) -> tuple[np.ndarray, bool]:
+        """(embeddings [len(lengths), out_dim] fp32, written into out if given, whether a graph was replayed)."""
         k = self.key(ids.size, max(lengths))
-        self._fill(k[0], ids, lengths)  # staging is free: the previous run's .cpu() waited for the graph
+        self._fill(k[0], ids, lengths)  # staging is free: the previous run waited for its graph
         replay = use_graph and k in self.graphs
         if replay:
-            g, out = self.graphs[k]
+            g, emb = self.graphs[k]
             g.replay()
         else:
-            out = self._forward(k)
-        return out[:len(lengths)].cpu().numpy(), replay
+            emb = self._forward(k)
+        n = len(lengths)
+        self.results[:n].copy_(emb[:n], non_blocking=True)
+        torch.cuda.current_stream(self.model.device).synchronize()
+        out = np.empty((n, emb.shape[1]), dtype=np.float32) if out is None else out
+        np.copyto(out, self.results[:n].numpy())
+        return out, replay
+
+    def _pick_stack(self, key: tuple[int, int]) -> bool:
+        """Whether this graph runs the layer stack as one kernel: bf16, at most STACK_TOKENS tokens, and faster than
+        the layered forward, each timed as graphs of the whole forward."""
+        if key[0] > STACK_TOKENS or self.model.dtype != torch.bfloat16:
+            return False
+        self._fill_dummy(key)
+        ms = {s: time_ms(lambda s=s: self._forward(key, s)) for s in (False, True)}
+        log.info("egemma: %d tokens: the layer stack as one kernel %.3f ms, layered %.3f ms a forward -> %s", key[0],
+                 ms[True], ms[False], "one kernel" if ms[True] < ms[False] else "layered")
+        return ms[True] < ms[False]
 
     def _pick_attention(self, key: tuple[int, int], cands: list[str]) -> tuple[str, str]:
         """(sliding, global) backends for this graph, timed on a full batch of it."""

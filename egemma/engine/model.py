@@ -52,6 +52,9 @@ class Layer:
     sliding: bool
 
 
+STACKED = tuple(f for f in Layer.__dataclass_fields__ if f != "sliding")  # the weights, each kept [layers, ...]
+
+
 class Encoder:
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device):
         self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
@@ -59,10 +62,19 @@ class Encoder:
         self.embed, self.final_norm = g["embed"], g["final_norm"]  # [V, D], [D]
         self.embed_scale = torch.tensor(cfg.hidden ** 0.5, dtype=dtype)  # rounded to dtype, as transformers does
         self.layers = [Layer(**f, sliding=s) for f, s in zip(layers, cfg.sliding)]
+        # each weight of every layer a view of one [layers, ...] tensor: the layer-stack kernel reads them all
+        # through one pointer (kernels/layer_stack.py)
+        self.stacked = {k: torch.stack([getattr(L, k) for L in self.layers]) for k in STACKED}
+        for i, L in enumerate(self.layers):
+            for k, t in self.stacked.items():
+                setattr(L, k, t[i])
+        self.sliding = torch.tensor(cfg.sliding, dtype=torch.int32, device=self.device)
         # RoPE tables stay fp32 whatever the dtype: the fused kernel rotates in fp32.
         self.rope = {s: native.rope_table(cfg.rope_base_local if s else cfg.rope_base_global, cfg.head_dim,
                                           cfg.max_positions, self.device) for s in (True, False)}
         self.head = Head(cfg, self.device)
+        # the layer-stack kernel's RoPE tables in one tensor: [local cos, local sin, global cos, global sin]
+        self.stack_rope = torch.stack([*self.rope[True], *self.rope[False]])
 
     def weight_bytes(self) -> int:
         """Bytes of the weights held on the device (the per-instance memory budget: perf/RESULTS.md, issue #12)."""
@@ -87,6 +99,17 @@ class Encoder:
                 rstd = ops.norm_add_rstd(d, h, L.post_ff_norm, c.eps)
         return ops.norm_add_norm(d, h, self.layers[-1].post_ff_norm, self.final_norm, c.eps)  # pooling reads it
 
-    def embed_packed(self, b: Packed, n: int, ops: Ops, attn: tuple[Callable, Callable]) -> torch.Tensor:
-        """fp32 embeddings [n, out_dim] of the first n sequences of b."""
-        return self.head(self.forward(b, ops, attn), b.cu_seqlens, n, ops)
+    def forward_stack(self, b: Packed, ops: Ops, **kw) -> torch.Tensor:
+        """forward(b) with the layer stack as one kernel (kernels/layer_stack.py, at most its MAX_TOKENS tokens; kw:
+        its layers()' sync and times)."""
+        from egemma.kernels import layer_stack
+        c = self.cfg
+        h, _ = ops.embed(b.ids, self.embed, self.embed_scale, c.eps)  # the kernel works out the row scales itself
+        return layer_stack.layers(h, {**self.stacked, "final_norm": self.final_norm}, self.stack_rope, self.sliding,
+                                  b.pos, b.cu_seqlens, heads=c.heads, kv_heads=c.kv_heads, eps=c.eps,
+                                  scale=c.attn_scale, window=c.window, **kw)
+
+    def embed_packed(self, b: Packed, n: int, ops: Ops, attn: tuple[Callable, Callable],
+                     stack: bool = False) -> torch.Tensor:
+        """fp32 embeddings [n, out_dim] of the first n sequences of b; stack: the layers as one kernel."""
+        return self.head(self.forward_stack(b, ops) if stack else self.forward(b, ops, attn), b.cu_seqlens, n, ops)
