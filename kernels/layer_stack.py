@@ -264,9 +264,10 @@ def layers(h: torch.Tensor, w: dict[str, torch.Tensor], rope: torch.Tensor, slid
     """The layered forward's loop and final norm: h [T, D] (the scaled embeddings; overwritten) -> the final-normed
     hidden states [T, D]. w: the layers' weights stacked [layers, ...] (qkv, o, gate_up interleaved with the pre-MLP
     norm folded in, down, post_attn_norm, post_ff_norm, q_norm, k_norm: Encoder.stacked) and final_norm [D];
-    rope: [local cos, local sin, global cos, global sin], each fp32 [positions, DH / 2]; sliding int32 [layers]; pos [T]; cu_seqlens int32. sync: one launch with grid barriers (default
-    on a GPU) or one launch per phase (the interpreter's way). times: int64 [phases + 1], the GPU clock at the start
-    and after each phase (_layers_kernel's TIMES)."""
+    rope: [local cos, local sin, global cos, global sin], each fp32 [positions, DH / 2]; sliding int32 [layers];
+    pos [T]; cu_seqlens int32. sync: one launch with grid barriers (default on a GPU) or one launch per phase (the
+    interpreter's way). times: int64 [phases + 1], the GPU clock at the start and after each phase (_layers_kernel's
+    TIMES)."""
     T, D = h.shape
     nl, qkv_rows = w["qkv"].shape[:2]
     I = w["down"].shape[2]
