@@ -193,7 +193,8 @@ def _layers_kernel(h_a, h_b, qkv_ptr, at_ptr, o_ptr, y_ptr, d_ptr, out_ptr, bar,
         stage = ph % NP
         if SYNC:  # this program's weight tile of a later phase into L2 while this phase runs (a GPU, one launch)
             if stage == 0:
-                _prefetch(wo + L * D * H * DH, pid, D, H * DH, BN)
+                if L < NL:  # not in the final phase: past the last layer's weights
+                    _prefetch(wo + L * D * H * DH, pid, D, H * DH, BN)
             elif stage == 1:
                 _prefetch(wgu + L * 2 * I * D, pid, 2 * I, D, 2 * BN)
             elif stage == 2:
@@ -203,6 +204,7 @@ def _layers_kernel(h_a, h_b, qkv_ptr, at_ptr, o_ptr, y_ptr, d_ptr, out_ptr, bar,
                     _prefetch(wqkv + (L + 1) * NQKV * D, pid, NQKV, D, BN)
         if L == NL:  # the last layer's post-MLP norm + residual add, the final norm
             if pid == 0:
+                # column block 1 as its caller: the residual is not written back, out gets it normed
                 x1, x2, r = _residual(h_a, d_ptr, n_ff + (NL - 1) * D, h_b, 1, M, eps, D, D1, D2, BM)
                 w1, w2 = _vec(n_final, D, D1, D2)
                 c1 = tl.arange(0, D1)[None, :]
@@ -252,6 +254,13 @@ def _pieces(k: int) -> tuple[int, int]:
     return a, max(16, triton.next_power_of_2(max(k - a, 1)))
 
 
+def supported(device: torch.device, hidden: int, heads: int, head_dim: int) -> bool:
+    """Whether layers() runs here: Hopper or newer (its bulk L2 prefetch), the heads filling the hidden width, a
+    power-of-2 head_dim; the interpreter (a CPU) always."""
+    shape = heads * head_dim == hidden and head_dim & (head_dim - 1) == 0
+    return shape and (device.type != "cuda" or torch.cuda.get_device_capability(device)[0] >= 9)
+
+
 def grid(hidden: int, intermediate: int, qkv_rows: int, device: torch.device) -> int:
     """Programs: one per column block of the widest phase, at most one per SM."""
     n = max(triton.cdiv(m, BN) for m in (qkv_rows, intermediate, hidden))
@@ -277,11 +286,11 @@ def layers(h: torch.Tensor, w: dict[str, torch.Tensor], rope: torch.Tensor, slid
                          f"qkv rows {qkv_rows} for {heads} + 2 x {kv_heads} heads, heads x head_dim = hidden {D}")
     sync = h.is_cuda if sync is None else sync
     bm = max(16, triton.next_power_of_2(T))
-    scratch = torch.empty((6 * T * D + T * qkv_rows + T * I,), dtype=h.dtype, device=h.device)
+    scratch = torch.empty((5 * T * D + T * qkv_rows + T * I,), dtype=h.dtype, device=h.device)
     h_b, at, o, d, out = (scratch[i * T * D:(i + 1) * T * D].view(T, D) for i in range(5))
     d.zero_()  # layer 0's phase A adds it as if it were a previous layer's down output
-    qkv = scratch[6 * T * D:6 * T * D + T * qkv_rows].view(T, qkv_rows)
-    y = scratch[6 * T * D + T * qkv_rows:].view(T, I)
+    qkv = scratch[5 * T * D:5 * T * D + T * qkv_rows].view(T, qkv_rows)
+    y = scratch[5 * T * D + T * qkv_rows:].view(T, I)
     bar = torch.zeros(1, dtype=torch.int32, device=h.device)
     n = grid(D, I, qkv_rows, h.device)
     total = PHASES * nl + 1

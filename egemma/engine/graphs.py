@@ -122,7 +122,7 @@ class GraphRunner:
         a = self.attn[key]
         b = Packed(v.ids, v.pos, v.cu_seqlens.int(), m)
         return self.model.embed_packed(b, self.slots(t), self.ops, (attention_fn(a[0]), attention_fn(a[1])),
-                                       self.stack.get(key, False) if stack is None else stack)
+                                       self.stack[key] if stack is None else stack)
 
     def _fill(self, t: int, ids: np.ndarray, lengths: list[int]):
         B, T = len(lengths), ids.size
@@ -165,9 +165,12 @@ class GraphRunner:
         return out, replay
 
     def _pick_stack(self, key: tuple[int, int]) -> bool:
-        """Whether this graph runs the layer stack as one kernel: bf16, at most STACK_TOKENS tokens, and faster than
-        the layered forward, each timed as graphs of the whole forward."""
-        if key[0] > STACK_TOKENS or self.model.dtype != torch.bfloat16:
+        """Whether this graph runs the layer stack as one kernel: bf16, at most STACK_TOKENS tokens, a GPU and model
+        shape it supports, and faster than the layered forward, each timed as graphs of the whole forward."""
+        from egemma.kernels import layer_stack
+        c = self.model.cfg
+        if key[0] > STACK_TOKENS or self.model.dtype != torch.bfloat16 or \
+                not layer_stack.supported(self.model.device, c.hidden, c.heads, c.head_dim):
             return False
         self._fill_dummy(key)
         ms = {s: time_ms(lambda s=s: self._forward(key, s)) for s in (False, True)}

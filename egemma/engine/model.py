@@ -52,35 +52,27 @@ class Layer:
     sliding: bool
 
 
-STACKED = tuple(f for f in Layer.__dataclass_fields__ if f != "sliding")  # the weights, each kept [layers, ...]
-
-
 class Encoder:
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device):
         self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
-        g, layers = weights.load(cfg, self.device, dtype)
+        # each weight of every layer is a view of one [layers, ...] tensor: the layer-stack kernel reads them all
+        # through one pointer (kernels/layer_stack.py)
+        g, self.stacked = weights.load(cfg, self.device, dtype)
         self.embed, self.final_norm = g["embed"], g["final_norm"]  # [V, D], [D]
         self.embed_scale = torch.tensor(cfg.hidden ** 0.5, dtype=dtype)  # rounded to dtype, as transformers does
-        self.layers = [Layer(**f, sliding=s) for f, s in zip(layers, cfg.sliding)]
-        # each weight of every layer a view of one [layers, ...] tensor: the layer-stack kernel reads them all
-        # through one pointer (kernels/layer_stack.py)
-        self.stacked = {k: torch.stack([getattr(L, k) for L in self.layers]) for k in STACKED}
-        for i, L in enumerate(self.layers):
-            for k, t in self.stacked.items():
-                setattr(L, k, t[i])
+        self.layers = [Layer(**{k: t[i] for k, t in self.stacked.items()}, sliding=s)
+                       for i, s in enumerate(cfg.sliding)]
         self.sliding = torch.tensor(cfg.sliding, dtype=torch.int32, device=self.device)
-        # RoPE tables stay fp32 whatever the dtype: the fused kernel rotates in fp32.
-        self.rope = {s: native.rope_table(cfg.rope_base_local if s else cfg.rope_base_global, cfg.head_dim,
-                                          cfg.max_positions, self.device) for s in (True, False)}
+        # RoPE tables stay fp32 whatever the dtype: the fused kernel rotates in fp32. One tensor, [local cos, local
+        # sin, global cos, global sin], as the layer-stack kernel reads them; the layered forward takes views.
+        self.stack_rope = torch.stack([t for s in (True, False) for t in native.rope_table(
+            cfg.rope_base_local if s else cfg.rope_base_global, cfg.head_dim, cfg.max_positions, self.device)])
+        self.rope = {True: (self.stack_rope[0], self.stack_rope[1]), False: (self.stack_rope[2], self.stack_rope[3])}
         self.head = Head(cfg, self.device)
-        # the layer-stack kernel's RoPE tables in one tensor: [local cos, local sin, global cos, global sin]
-        self.stack_rope = torch.stack([*self.rope[True], *self.rope[False]])
 
     def weight_bytes(self) -> int:
         """Bytes of the weights held on the device (the per-instance memory budget: perf/RESULTS.md, issue #12)."""
-        ts = [self.embed, self.final_norm, *(v for L in self.layers for v in vars(L).values()
-                                             if isinstance(v, torch.Tensor)),
-              *(t for t in self.head.dense if t is not None)]
+        ts = [self.embed, self.final_norm, *self.stacked.values(), *(t for t in self.head.dense if t is not None)]
         return sum(t.numel() * t.element_size() for t in ts)
 
     def forward(self, b: Packed, ops: Ops, attn: tuple[Callable, Callable]) -> torch.Tensor:

@@ -74,7 +74,7 @@ def check(path, weights: dict, want: dict[str, tuple[int, ...]]):
             raise CheckpointError(f"{path}: weight {k} has shape {tuple(weights[k].shape)}, expected {shape}")
 
 
-def _fields(w: dict, table: dict, prefix: str, device, dtype) -> dict[str, torch.Tensor]:
+def _fields(w: dict, table: dict, prefix: str, dtype) -> dict[str, torch.Tensor]:
     parts: dict[str, list] = {}
     for name, (field, _) in table.items():
         parts.setdefault(field, []).append(w.pop(f"{prefix}{name}.weight"))
@@ -82,13 +82,15 @@ def _fields(w: dict, table: dict, prefix: str, device, dtype) -> dict[str, torch
     for norm, gemm in FOLDED.items():  # on the host: fp32 copies on the GPU would stay in its allocator's cache
         if norm in fields:
             fields[gemm] = fields[gemm].float() * (1.0 + fields.pop(norm).float())
-    return {k: v.to(device=device, dtype=dtype).contiguous() for k, v in fields.items()}
+    return {k: v.to(dtype=dtype).contiguous() for k, v in fields.items()}
 
 
-def load(c: ModelConfig, device, dtype) -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]]]:
-    """(global fields, per-layer fields) as the model holds them: checked against the table, fused, on device."""
+def load(c: ModelConfig, device, dtype) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(global fields, layer fields each stacked [layers, ...]) as the model holds them: checked against the table,
+    fused, on device. The layers are stacked on the host, so the device never holds a weight twice."""
     path = c.path / "model.safetensors"
     w = read_safetensors(path)
     check(path, w, expected(c))
-    return _fields(w, GLOBAL, "", device, dtype), [_fields(w, LAYER, f"layers.{i}.", device, dtype)
-                                                   for i in range(c.layers)]
+    per_layer = [_fields(w, LAYER, f"layers.{i}.", dtype) for i in range(c.layers)]
+    stacked = {k: torch.stack([f.pop(k) for f in per_layer]).to(device) for k in list(per_layer[0])}
+    return {k: v.to(device) for k, v in _fields(w, GLOBAL, "", dtype).items()}, stacked
