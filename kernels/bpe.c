@@ -265,7 +265,9 @@ static void futex(atomic_uint *word, int op, unsigned val) { syscall(SYS_futex, 
 
 /* Workers sleep on the generation; one woken joins the call's job if it is still there. A worker counts itself
    active before it reads the job and the caller clears the job before it waits for none to be active, so no
-   worker ever holds a job whose call has returned. */
+   worker ever holds a job whose call has returned. A worker reads stop before each sleep: bpe_free may stop the
+   pool and bump the generation before a new thread first reads it, and then no wake-up would ever come (a model
+   freed right after it was made hung so, tests/test_bpe.py). */
 static void *worker(void *arg) {
     void **a = arg;
     Model *m = a[0];
@@ -273,8 +275,8 @@ static void *worker(void *arg) {
     free(a);
     unsigned seen = atomic_load(&m->generation);
     for (;;) {
-        futex(&m->generation, FUTEX_WAIT_PRIVATE, seen);
         if (atomic_load(&m->stop)) return NULL;
+        futex(&m->generation, FUTEX_WAIT_PRIVATE, seen);
         unsigned g = atomic_load(&m->generation);
         if (g == seen) continue; /* spurious */
         seen = g;

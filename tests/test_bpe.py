@@ -4,12 +4,14 @@ import json
 import os
 import random
 import shutil
+import subprocess
+import sys
 import warnings
 
 import pytest
 from tokenizers import Tokenizer
 
-from helpers import UNICODE, make_texts, wait_for
+from helpers import ROOT, UNICODE, make_texts, wait_for
 from test_tokenizer import EDGE, ODD, glued_bpe
 from egemma.engine.chunker import Chunker
 from egemma.engine.config import ModelConfig
@@ -183,6 +185,25 @@ def test_pool_threads_end_with_their_tokenizer_and_a_fork_tokenises_alone(checkp
     del b
     gc.collect()  # joined: each thread has exited, though the kernel may list it a moment longer
     wait_for(lambda: not pool & tasks(), 10, "the pool's threads to leave /proc")
+
+
+def test_a_tokenizer_freed_as_soon_as_it_is_made_stops_its_pool(checkpoints):
+    """bpe_free right after bpe_new, before the pool's threads have run: they must still see the stop. They once
+    read the generation bpe_free had bumped, slept for a wake-up that never came, and bpe_free's join hung the
+    process (the old code hung within 200 rounds here, every time). In a child, so that a hang fails the test."""
+    code = f"""
+import json
+from tokenizers import Tokenizer
+from egemma.engine.chunker import Chunker
+from egemma.engine.tokenizer import resolved_tokenizer_json
+from egemma.kernels import bpe
+raw = resolved_tokenizer_json({str(checkpoints["eos"])!r})
+d, added, glued = json.loads(raw), bpe.added_ids(Tokenizer.from_str(raw)), Chunker(raw).glued
+for _ in range(300):
+    bpe.Bpe(d, added, glued, 4)  # freed at once: no reference is kept
+"""
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
 
 
 def test_library_is_built_only_into_a_directory_of_this_users_own(tmp_path, monkeypatch):
