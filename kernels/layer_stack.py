@@ -281,9 +281,10 @@ def layers(h: torch.Tensor, w: dict[str, torch.Tensor], rope: torch.Tensor, slid
     nl, qkv_rows = w["qkv"].shape[:2]
     I = w["down"].shape[2]
     dh = w["q_norm"].shape[1]
-    if T > MAX_TOKENS or dh & (dh - 1) or qkv_rows != (heads + 2 * kv_heads) * dh or heads * dh != D:
+    if T > MAX_TOKENS or qkv_rows != (heads + 2 * kv_heads) * dh or not supported(h.device, D, heads, dh):
         raise ValueError(f"layers: {T} tokens (at most {MAX_TOKENS}), head_dim {dh} (a power of 2), "
-                         f"qkv rows {qkv_rows} for {heads} + 2 x {kv_heads} heads, heads x head_dim = hidden {D}")
+                         f"qkv rows {qkv_rows} for {heads} + 2 x {kv_heads} heads, heads x head_dim = hidden {D}, "
+                         f"on {h.device} (a GPU: Hopper or newer)")
     sync = h.is_cuda if sync is None else sync
     bm = max(16, triton.next_power_of_2(T))
     scratch = torch.empty((5 * T * D + T * qkv_rows + T * I,), dtype=h.dtype, device=h.device)
