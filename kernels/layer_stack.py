@@ -9,14 +9,15 @@ is ~190 kernels of ~3-4 us each, all latency; here one grid of programs passes f
   E  the down GEMM
 then the last post-MLP norm, residual add and final norm. The GEMM phases are spread over the programs by BN output
 columns, so that every program reads its own slice of the weights (asked of L2 a phase or two ahead), and each loads
-its whole rows at once (as two power-of-2 pieces: 768 = 512 + 256): a K loop waited for memory once a step. Each
+its whole rows at once (as two power-of-2 pieces: 768 = 512 + 256): a K loop waited for memory once a step. The o
+and down GEMMs split K over the warps (KSPLIT), which otherwise would each run the whole product. Each
 program recomputes the row norms it needs from the phase before (a few rows, from L2); the program of column block
 0 writes the residual, into the other of two buffers, so that no phase reads what it writes.
 
 Reference: the layered forward (egemma.engine.model.Encoder.forward) with kernels.native ops, which it matches up to
 bf16 rounding (tests/test_kernels.py; under Triton's interpreter, fp32, each phase is its own launch: the kernel
 boundary is the barrier). The engine takes it for the CUDA graphs where it replays faster (egemma.engine.graphs:
-16 tokens on the H200, perf/RESULTS.md runs 86-88).
+16 tokens on the H200, perf/RESULTS.md runs 86-88, 92).
 
 long: one kernel and the device functions of its phases, which are read together."""
 import torch
@@ -28,6 +29,9 @@ from egemma.kernels.triton_ops import gelu_tanh_mul
 MAX_TOKENS = 32  # the largest batch it takes: registers hold whole rows (it loses to the layered forward at 32)
 BN = 16  # output columns a program computes at a time (gate_up: 16 gelu outputs from 32 columns)
 PHASES = 5  # a layer's
+# the o and down GEMMs' K split over the warps (4 slices: 0.569 ms a forward against 0.586 with 2, 0.589 with 8
+# and 0.616 unsplit, perf/RESULTS.md run 92; qkv and gate_up, whose rows come normed from registers, lost split)
+KSPLIT = 4
 
 
 @triton.jit
@@ -115,6 +119,30 @@ def _mm(x1, x2, w_ptr, cb, N, K: tl.constexpr, K1: tl.constexpr, K2: tl.constexp
 
 
 @triton.jit
+def _split(ptr, ld, rows, K: tl.constexpr, K0: tl.constexpr, KP: tl.constexpr, KS: tl.constexpr, R: tl.constexpr):
+    """Columns [K0, K0 + KP) of rows [0, R) of a row-major [rows, ld] matrix as KS slices [KS, R, KP / KS] (zeros past
+    rows and K), from L2 (.cg): written by other programs in this launch."""
+    s = tl.arange(0, KS)[:, None, None]
+    r = tl.arange(0, R)[None, :, None]
+    c = K0 + s * (KP // KS) + tl.arange(0, KP // KS)[None, None, :]
+    return tl.load(ptr + r * ld + c, mask=(r < rows) & (c < K), other=0.0, cache_modifier=".cg")
+
+
+@triton.jit
+def _mm_split(x_ptr, M, w_ptr, cb, N, K: tl.constexpr, K1: tl.constexpr, K2: tl.constexpr, BM: tl.constexpr,
+              BNW: tl.constexpr, KS: tl.constexpr):
+    """[BM, BNW] column block cb of x @ w.T for x [M, K] and w [N, K] row-major in memory, with K split into KS
+    slices, one a warp: every warp otherwise runs the whole K loop of the small tile (the same product, 48-72 MMAs in
+    a chain). Each [BM, K] row block is loaded as its two power-of-2 pieces."""
+    w = w_ptr + cb * BNW * K
+    acc = tl.dot(_split(x_ptr, K, M, K, 0, K1, KS, BM), tl.permute(_split(w, K, N - cb * BNW, K, 0, K1, KS, BNW),
+                                                                      (0, 2, 1)))
+    acc += tl.dot(_split(x_ptr, K, M, K, K1, K2, KS, BM), tl.permute(_split(w, K, N - cb * BNW, K, K1, K2, KS, BNW),
+                                                                       (0, 2, 1)))
+    return tl.sum(acc, 0)
+
+
+@triton.jit
 def _store(ptr, acc, cb, M, N, BM: tl.constexpr, BNW: tl.constexpr):
     """acc [BM, BNW] into columns cb * BNW.. of the row-major [M, N] matrix at ptr."""
     rows = tl.arange(0, BM)[:, None]
@@ -171,11 +199,11 @@ def _layers_kernel(h_a, h_b, qkv_ptr, at_ptr, o_ptr, y_ptr, d_ptr, out_ptr, bar,
                    D: tl.constexpr, I: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr, DH: tl.constexpr,
                    HP: tl.constexpr, NL: tl.constexpr, P: tl.constexpr, BM: tl.constexpr, NCU: tl.constexpr,
                    D1: tl.constexpr, D2: tl.constexpr, I1: tl.constexpr, I2: tl.constexpr, NP: tl.constexpr,
-                   BN: tl.constexpr, SYNC: tl.constexpr, TIMES: tl.constexpr):
+                   BN: tl.constexpr, SYNC: tl.constexpr, TIMES: tl.constexpr, KSD: tl.constexpr, KSI: tl.constexpr):
     """Phases first .. last - 1 of the stack (NP = PHASES a layer, then the final norm), a grid barrier after each
     but the last. The residual goes h_a -> h_b in phase A, h_b -> h_a in phase D. BN: output columns a program
-    computes at a time (gate_up: BN gelu outputs from 2 BN columns). TIMES: program 0 writes the GPU clock (ns) at
-    the start and after each phase's barrier to times[first..last]."""
+    computes at a time (gate_up: BN gelu outputs from 2 BN columns). KSD / KSI: K slices of the o / down GEMMs.
+    TIMES: program 0 writes the GPU clock (ns) at the start and after each phase's barrier to times[first..last]."""
     NQKV: tl.constexpr = (H + 2 * HKV) * DH
     pid, G = tl.program_id(0), tl.num_programs(0)
     rows = tl.arange(0, BM)
@@ -226,8 +254,8 @@ def _layers_kernel(h_a, h_b, qkv_ptr, at_ptr, o_ptr, y_ptr, d_ptr, out_ptr, bar,
                 tl.store(at_ptr + rows[:, None] * (H * DH) + pid * DH + c[None, :], o, mask=rows[:, None] < M)
         elif stage == 2:  # C: the o GEMM
             for cb in range(pid, tl.cdiv(D, BN), G):
-                x1, x2 = _rows(at_ptr, H * DH, M, D1, D2, BM)
-                _store(o_ptr, _mm(x1, x2, wo + L * D * H * DH, cb, D, H * DH, D1, D2, BN), cb, M, D, BM, BN)
+                _store(o_ptr, _mm_split(at_ptr, M, wo + L * D * H * DH, cb, D, H * DH, D1, D2, BM, BN, KSD), cb, M,
+                       D, BM, BN)
         elif stage == 3:  # D: h_b + the o output, normed -> h_a; gate_up + gelu
             for cb in range(pid, tl.cdiv(I, BN), G):
                 x1, x2, r = _residual(h_b, o_ptr, n_attn + L * D, h_a, cb, M, eps, D, D1, D2, BM)
@@ -236,8 +264,7 @@ def _layers_kernel(h_a, h_b, qkv_ptr, at_ptr, o_ptr, y_ptr, d_ptr, out_ptr, bar,
                 _store(y_ptr, gelu_tanh_mul(g, u), cb, M, I, BM, BN)
         else:  # E: the down GEMM
             for cb in range(pid, tl.cdiv(D, BN), G):
-                x1, x2 = _rows(y_ptr, I, M, I1, I2, BM)
-                _store(d_ptr, _mm(x1, x2, wd + L * D * I, cb, D, I, I1, I2, BN), cb, M, D, BM, BN)
+                _store(d_ptr, _mm_split(y_ptr, M, wd + L * D * I, cb, D, I, I1, I2, BM, BN, KSI), cb, M, D, BM, BN)
         if SYNC:
             if ph + 1 < last:
                 _sync(bar, ph - first + 1)
@@ -305,7 +332,8 @@ def layers(h: torch.Tensor, w: dict[str, torch.Tensor], rope: torch.Tensor, slid
                              HKV=kv_heads, DH=dh,
                              HP=max(16, dh // 2), NL=nl, P=rope.shape[1], BM=bm,
                              NCU=triton.next_power_of_2(cu_seqlens.shape[0]), D1=d1, D2=d2, I1=i1, I2=i2, NP=PHASES,
-                             BN=BN, SYNC=sync, TIMES=times is not None, num_warps=8,
+                             BN=BN, KSD=min(KSPLIT, d2 // 16), KSI=min(KSPLIT, i2 // 16), SYNC=sync,
+                             TIMES=times is not None, num_warps=8,
                              num_stages=1,  # no pipelining: each phase loads its rows at once
                              # every program resident at once, or the barriers would wait on one never started
                              **({"launch_cooperative_grid": True} if sync else {}))
