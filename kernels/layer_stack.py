@@ -119,13 +119,21 @@ def _mm(x1, x2, w_ptr, cb, N, K: tl.constexpr, K1: tl.constexpr, K2: tl.constexp
 
 
 @triton.jit
-def _split(ptr, ld, rows, K: tl.constexpr, K0: tl.constexpr, KP: tl.constexpr, KS: tl.constexpr, R: tl.constexpr):
-    """Columns [K0, K0 + KP) of rows [0, R) of a row-major [rows, ld] matrix as KS slices [KS, R, KP / KS] (zeros past
+def _split(ptr, rows, K: tl.constexpr, K0: tl.constexpr, KP: tl.constexpr, KS: tl.constexpr, R: tl.constexpr):
+    """Columns [K0, K0 + KP) of rows [0, R) of a row-major [rows, K] matrix as KS slices [KS, R, KP / KS] (zeros past
     rows and K), from L2 (.cg): written by other programs in this launch."""
     s = tl.arange(0, KS)[:, None, None]
     r = tl.arange(0, R)[None, :, None]
     c = K0 + s * (KP // KS) + tl.arange(0, KP // KS)[None, None, :]
-    return tl.load(ptr + r * ld + c, mask=(r < rows) & (c < K), other=0.0, cache_modifier=".cg")
+    return tl.load(ptr + r * K + c, mask=(r < rows) & (c < K), other=0.0, cache_modifier=".cg")
+
+
+@triton.jit
+def _dot_split(x_ptr, M, w, NW, K: tl.constexpr, K0: tl.constexpr, KP: tl.constexpr, BM: tl.constexpr,
+               BNW: tl.constexpr, KS: tl.constexpr):
+    """Columns [K0, K0 + KP) of x [M, K] times those of w [NW, K] (both row-major) transposed, per K slice:
+    [KS, BM, BNW] fp32."""
+    return tl.dot(_split(x_ptr, M, K, K0, KP, KS, BM), tl.permute(_split(w, NW, K, K0, KP, KS, BNW), (0, 2, 1)))
 
 
 @triton.jit
@@ -133,12 +141,9 @@ def _mm_split(x_ptr, M, w_ptr, cb, N, K: tl.constexpr, K1: tl.constexpr, K2: tl.
               BNW: tl.constexpr, KS: tl.constexpr):
     """[BM, BNW] column block cb of x @ w.T for x [M, K] and w [N, K] row-major in memory, with K split into KS
     slices, one a warp: every warp otherwise runs the whole K loop of the small tile (the same product, 48-72 MMAs in
-    a chain). Each [BM, K] row block is loaded as its two power-of-2 pieces."""
-    w = w_ptr + cb * BNW * K
-    acc = tl.dot(_split(x_ptr, K, M, K, 0, K1, KS, BM), tl.permute(_split(w, K, N - cb * BNW, K, 0, K1, KS, BNW),
-                                                                      (0, 2, 1)))
-    acc += tl.dot(_split(x_ptr, K, M, K, K1, K2, KS, BM), tl.permute(_split(w, K, N - cb * BNW, K, K1, K2, KS, BNW),
-                                                                       (0, 2, 1)))
+    a chain). K is covered by its two power-of-2 pieces."""
+    w, nw = w_ptr + cb * BNW * K, N - cb * BNW
+    acc = _dot_split(x_ptr, M, w, nw, K, 0, K1, BM, BNW, KS) + _dot_split(x_ptr, M, w, nw, K, K1, K2, BM, BNW, KS)
     return tl.sum(acc, 0)
 
 

@@ -138,7 +138,7 @@ class GraphRunner:
         np.cumsum(lengths, out=cu[1:B + 1])
         cu[B + 1:] = T
         cu[-1] = t  # the padding tokens [T, t) are one more sequence, which pooling skips (past the slots)
-        if B == 1:
+        if B == 1:  # one query: a slice, ~1 us less than the repeat
             pos[:T] = self.arange[:T]
         else:
             np.subtract(self.arange[:T], np.repeat(cu[:B], lengths), out=pos[:T])
