@@ -2,7 +2,7 @@
 serves sentence-transformers bf16 behind the same Triton (perf/baseline_repository).
 
   python perf/bench_serve.py CHECKPOINT --out DIR [--skip-baseline] [--suite full|short|sweep]
-                            [--sweep MODEL=N,MODEL=N ...] [--floor] [--tokenizers-too]
+                            [--sweep MODEL=N,MODEL=N ...] [--floor] [--floor-wait US ...] [--tokenizers-too]
 
 Workloads (gRPC, text built from real English prose, token counts measured with the checkpoint's tokenizer):
   w1  one request of 8 texts x ~2048 tokens, sequential       (perf_analyzer -b 8, cycling over 16 different
@@ -14,8 +14,9 @@ Workloads (gRPC, text built from real English prose, token counts measured with 
   w4  80% queries of 10-40 tokens, 20% passages of 200-600, Poisson arrivals at 70% of the max rate
 Each --sweep variant (instance counts), and with --floor the repository with do-nothing models, runs w1, w2 and
 w3 at c=128/256 on its own server after the suite on the repository's defaults (--tokenizers-too: ours with
-Hugging Face's tokenizer in place of kernels/bpe.c, the A/B of the tokenizer backend). Per-model split (Triton's
-statistics) for w1 and w3 at c=128. The size of the tokenizer's pieces: perf/tokenizer_pieces.py.
+Hugging Face's tokenizer in place of kernels/bpe.c, the A/B of the tokenizer backend); each --floor-wait variant,
+the floor whose encoder sleeps that long an execute as ours waits for its GPU, runs w2 and w3. Per-model split
+(Triton's statistics) for w1 and w3 at c=128. The size of the tokenizer's pieces: perf/tokenizer_pieces.py.
 Writes CSV per perf_analyzer run, results.json, throughput/latency PNG, and prints a summary table."""
 import argparse
 import csv
@@ -263,13 +264,16 @@ def run_suite(name, url, metrics_url, model, data, out: Path, log, suite: str):
     return res
 
 
-def floor_repository(dest: Path) -> Path:
+def floor_repository(dest: Path, wait_us: int = 0) -> Path:
     """model_repository (same configs, instance counts, ensemble) with both Python models replaced by
-    perf/floor_model.py."""
+    perf/floor_model.py; wait_us: each encoder execute sleeps that long first."""
     shutil.rmtree(dest, ignore_errors=True)
     shutil.copytree(ROOT / "model_repository", dest, ignore=shutil.ignore_patterns("__pycache__"))
     for model in MODELS:
         shutil.copy(ROOT / "perf" / "floor_model.py", dest / model / "1" / "model.py")
+    if wait_us:
+        with open(dest / MODELS[1] / "config.pbtxt", "a") as f:
+            f.write(f'parameters {{ key: "floor_wait_us" value: {{ string_value: "{wait_us}" }} }}\n')
     return dest
 
 
@@ -316,6 +320,9 @@ def main():
     ap.add_argument("--gpu0", action="store_true",
                     help="also serve with the encoder placed by the launcher's --gpus 0 (KIND_GPU on GPU 0) instead of "
                          "the repository's KIND_MODEL: it must serve as the defaults do")
+    ap.add_argument("--floor-wait", nargs="*", type=int, default=[], metavar="US",
+                    help="also serve the floor with each encoder execute sleeping US microseconds first (w2, w3): "
+                         "what a GPU wait of that length per batch costs the serial path, nothing else of ours in it")
     ap.add_argument("--floor", action="store_true",
                     help="also serve the repository with both models doing nothing (perf/floor_model.py): what "
                          "Triton, the ensemble and the Python backend cost on this host")
@@ -364,6 +371,9 @@ def main():
     if a.floor:
         suites.append(("floor", floor_repository(a.out / "floor_repository"), "embeddinggemma", "short", None, None,
                        None, None))
+    for us in a.floor_wait:
+        suites.append((f"floor wait {us}us", floor_repository(a.out / f"floor_repository_{us}", us), "embeddinggemma",
+                       "sweep", None, None, None, None))
     if not a.skip_baseline:  # sentence-transformers needs the host's numpy 2: its stub runs this Python
         suites.append(("st_bf16", ROOT / "perf" / "baseline_repository", "st_bf16", "short", None,
                        str(Path(sys.executable).parent), None, None))
