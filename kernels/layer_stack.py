@@ -1,6 +1,7 @@
 """The encoder's whole layer stack as one Triton-lang kernel, for batches of a few tokens. There the layered forward
 is ~190 kernels of ~3-4 us each, all latency; here one grid of programs passes five grid-wide barriers a layer
-(~0.9 us each on the H200). A layer's phases:
+(~0.9 us each on the H200), each split in two: a program arrives after its stores and waits only when the next
+phase's loads that need no earlier phase (its weight tile) are on their way. A layer's phases:
   A  the previous layer's post-MLP norm + residual add, the input norm (a row scale: its (1 + w) is in qkv), the
      qkv GEMM
   B  q/k norm + RoPE and attention, a program per head
@@ -35,10 +36,16 @@ KSPLIT = 4
 
 
 @triton.jit
-def _sync(bar, n):
-    """Grid-wide barrier: returns once every program has called it n times (the counter starts at 0)."""
+def _arrive(bar):
+    """A grid-wide barrier's first half: this program's stores so far are done, for whoever passes _wait after it."""
     tl.debug_barrier()  # this program's stores are issued before its arrival is
     tl.atomic_add(bar, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def _wait(bar, n):
+    """Its second half: returns once every program has arrived n times (the counter starts at 0). What a program
+    loads between the two halves (the next phase's weights) is on its way while it waits."""
     while tl.atomic_add(bar, 0, sem="acquire", scope="gpu") < n * tl.num_programs(0):
         pass
     tl.debug_barrier()
@@ -48,6 +55,18 @@ def _sync(bar, n):
 def _clock():
     """The GPU's nanosecond clock (%globaltimer), for the per-phase times."""
     return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+
+
+@triton.jit
+def _enter(bar, times, ph, first, SYNC: tl.constexpr, TIMES: tl.constexpr):
+    """Phase ph's start: the barrier after the phase before (one launch), then program 0's clock (TIMES)."""
+    if SYNC:
+        if ph > first:
+            _wait(bar, ph - first)
+    if TIMES:
+        if tl.program_id(0) == 0:
+            if ph > first:
+                tl.store(times + ph, _clock())
 
 
 @triton.jit
@@ -111,11 +130,10 @@ def _residual(h_ptr, p_ptr, w_post, h_out, cb, M, eps, D: tl.constexpr, D1: tl.c
 
 
 @triton.jit
-def _mm(x1, x2, w_ptr, cb, N, K: tl.constexpr, K1: tl.constexpr, K2: tl.constexpr, BNW: tl.constexpr):
-    """[BM, BNW] column block cb of [x1 | x2] @ w.T, w [N, K] row-major; x rounded to w's dtype first."""
-    w1, w2 = _rows(w_ptr + cb * BNW * K, K, N - cb * BNW, K1, K2, BNW)
-    dt = w_ptr.dtype.element_ty
-    return tl.dot(x1.to(dt), tl.trans(w1)) + tl.dot(x2.to(dt), tl.trans(w2))
+def _mm(x1, x2, w1, w2):
+    """[x1 | x2] @ [w1 | w2].T, the weights' column block cb as _rows(w + cb * BNW * K, K, N - cb * BNW, ...) loads
+    it from w [N, K] row-major; x rounded to w's dtype first."""
+    return tl.dot(x1.to(w1.dtype), tl.trans(w1)) + tl.dot(x2.to(w1.dtype), tl.trans(w2))
 
 
 @triton.jit
@@ -129,21 +147,22 @@ def _split(ptr, rows, K: tl.constexpr, K0: tl.constexpr, KP: tl.constexpr, KS: t
 
 
 @triton.jit
-def _dot_split(x_ptr, M, w, NW, K: tl.constexpr, K0: tl.constexpr, KP: tl.constexpr, BM: tl.constexpr,
-               BNW: tl.constexpr, KS: tl.constexpr):
-    """Columns [K0, K0 + KP) of x [M, K] times those of w [NW, K] (both row-major) transposed, per K slice:
-    [KS, BM, BNW] fp32."""
-    return tl.dot(_split(x_ptr, M, K, K0, KP, KS, BM), tl.permute(_split(w, NW, K, K0, KP, KS, BNW), (0, 2, 1)))
+def _w_split(w_ptr, cb, N, K: tl.constexpr, K1: tl.constexpr, K2: tl.constexpr, BNW: tl.constexpr,
+             KS: tl.constexpr):
+    """Column block cb of w [N, K] (row-major) for _mm_split: its two K pieces as KS slices each, [KS, BNW, K1 / KS]
+    and [KS, BNW, K2 / KS]."""
+    w, nw = w_ptr + cb * BNW * K, N - cb * BNW
+    return _split(w, nw, K, 0, K1, KS, BNW), _split(w, nw, K, K1, K2, KS, BNW)
 
 
 @triton.jit
-def _mm_split(x_ptr, M, w_ptr, cb, N, K: tl.constexpr, K1: tl.constexpr, K2: tl.constexpr, BM: tl.constexpr,
-              BNW: tl.constexpr, KS: tl.constexpr):
-    """[BM, BNW] column block cb of x @ w.T for x [M, K] and w [N, K] row-major in memory, with K split into KS
-    slices, one a warp: every warp otherwise runs the whole K loop of the small tile (the same product, 48-72 MMAs in
-    a chain). K is covered by its two power-of-2 pieces."""
-    w, nw = w_ptr + cb * BNW * K, N - cb * BNW
-    acc = _dot_split(x_ptr, M, w, nw, K, 0, K1, BM, BNW, KS) + _dot_split(x_ptr, M, w, nw, K, K1, K2, BM, BNW, KS)
+def _mm_split(x_ptr, M, w1, w2, K: tl.constexpr, K1: tl.constexpr, K2: tl.constexpr, BM: tl.constexpr,
+              KS: tl.constexpr):
+    """[BM, BNW] x @ w.T for x [M, K] row-major in memory and a column block of w as _w_split loads it, with K split
+    into KS slices, one a warp: every warp otherwise runs the whole K loop of the small tile (the same product, 48-72
+    MMAs in a chain). K is covered by its two power-of-2 pieces."""
+    acc = tl.dot(_split(x_ptr, M, K, 0, K1, KS, BM), tl.permute(w1, (0, 2, 1))) + \
+        tl.dot(_split(x_ptr, M, K, K1, K2, KS, BM), tl.permute(w2, (0, 2, 1)))
     return tl.sum(acc, 0)
 
 
@@ -235,7 +254,12 @@ def _layers_kernel(h_a, h_b, qkv_ptr, at_ptr, o_ptr, y_ptr, d_ptr, out_ptr, bar,
             elif stage == 3:
                 if L + 1 < NL:
                     _prefetch(wqkv + (L + 1) * NQKV * D, pid, NQKV, D, BN)
+        # Each GEMM phase loads its weight tile (column block pid; none past the last block) before it waits for the
+        # phase before: no phase writes weights. Their names differ by phase: a name's type must not change. With
+        # a program for each column block (grid), each phase's `for cb` runs once at most, for cb = pid: as an `if`,
+        # ptxas spilled 1.1 KB a thread against none.
         if L == NL:  # the last layer's post-MLP norm + residual add, the final norm
+            _enter(bar, times, ph, first, SYNC, TIMES)
             if pid == 0:
                 # column block 1 as its caller: the residual is not written back, out gets it normed
                 x1, x2, r = _residual(h_a, d_ptr, n_ff + (NL - 1) * D, h_b, 1, M, eps, D, D1, D2, BM)
@@ -246,36 +270,44 @@ def _layers_kernel(h_a, h_b, qkv_ptr, at_ptr, o_ptr, y_ptr, d_ptr, out_ptr, bar,
                 tl.store(out_ptr + rows[:, None] * D + c1, (x1 * r * w1).to(dt), mask=(rows[:, None] < M) & (c1 < D))
                 tl.store(out_ptr + rows[:, None] * D + c2, (x2 * r * w2).to(dt), mask=(rows[:, None] < M) & (c2 < D))
         elif stage == 0:  # A: h_a (+ the previous layer's down output, normed) -> h_b; qkv
+            wa1, wa2 = _rows(wqkv + L * NQKV * D + pid * BN * D, D, NQKV - pid * BN, D1, D2, BN)
+            _enter(bar, times, ph, first, SYNC, TIMES)
             for cb in range(pid, tl.cdiv(NQKV, BN), G):
                 # layer 0 adds d = 0 (zeroed at launch): one code path (a runtime branch made phase A 14.7 us against
                 # 10.8 with one call per branch, run 76, which doubled its code)
                 x1, x2, r = _residual(h_a, d_ptr, n_ff + tl.maximum(L - 1, 0) * D, h_b, cb, M, eps, D, D1, D2, BM)
-                _store(qkv_ptr, _mm(x1, x2, wqkv + L * NQKV * D, cb, NQKV, D, D1, D2, BN) * r, cb, M, NQKV, BM, BN)
+                _store(qkv_ptr, _mm(x1, x2, wa1, wa2) * r, cb, M, NQKV, BM, BN)
         elif stage == 1:  # B: attention, a program per head
+            _enter(bar, times, ph, first, SYNC, TIMES)
             if pid < H:
                 o = _attend(qkv_ptr, pid, L, sliding, rope, n_q, n_k, pos, same, near, M, eps, scale, NQKV, H, HKV, DH,
                             HP, P, BM)
                 c = tl.arange(0, DH)
                 tl.store(at_ptr + rows[:, None] * (H * DH) + pid * DH + c[None, :], o, mask=rows[:, None] < M)
         elif stage == 2:  # C: the o GEMM
+            wc1, wc2 = _w_split(wo + L * D * H * DH, pid, D, H * DH, D1, D2, BN, KSD)
+            _enter(bar, times, ph, first, SYNC, TIMES)
             for cb in range(pid, tl.cdiv(D, BN), G):
-                _store(o_ptr, _mm_split(at_ptr, M, wo + L * D * H * DH, cb, D, H * DH, D1, D2, BM, BN, KSD), cb, M,
-                       D, BM, BN)
+                _store(o_ptr, _mm_split(at_ptr, M, wc1, wc2, H * DH, D1, D2, BM, KSD), cb, M, D, BM, BN)
         elif stage == 3:  # D: h_b + the o output, normed -> h_a; gate_up + gelu
+            wd1, wd2 = _rows(wgu + L * 2 * I * D + pid * 2 * BN * D, D, 2 * I - pid * 2 * BN, D1, D2, 2 * BN)
+            _enter(bar, times, ph, first, SYNC, TIMES)
             for cb in range(pid, tl.cdiv(I, BN), G):
                 x1, x2, r = _residual(h_b, o_ptr, n_attn + L * D, h_a, cb, M, eps, D, D1, D2, BM)
-                acc = _mm(x1, x2, wgu + L * 2 * I * D, cb, 2 * I, D, D1, D2, 2 * BN) * r
+                acc = _mm(x1, x2, wd1, wd2) * r
                 g, u = tl.split(tl.reshape(acc, (BM, BN, 2)))
                 _store(y_ptr, gelu_tanh_mul(g, u), cb, M, I, BM, BN)
         else:  # E: the down GEMM
+            we1, we2 = _w_split(wd + L * D * I, pid, D, I, I1, I2, BN, KSI)
+            _enter(bar, times, ph, first, SYNC, TIMES)
             for cb in range(pid, tl.cdiv(D, BN), G):
-                _store(d_ptr, _mm_split(y_ptr, M, wd + L * D * I, cb, D, I, I1, I2, BM, BN, KSI), cb, M, D, BM, BN)
+                _store(d_ptr, _mm_split(y_ptr, M, we1, we2, I, I1, I2, BM, KSI), cb, M, D, BM, BN)
         if SYNC:
             if ph + 1 < last:
-                _sync(bar, ph - first + 1)
-        if TIMES:
-            if pid == 0:
-                tl.store(times + ph + 1, _clock())
+                _arrive(bar)
+    if TIMES:
+        if pid == 0:
+            tl.store(times + last, _clock())
 
 
 def _pieces(k: int) -> tuple[int, int]:
@@ -286,17 +318,22 @@ def _pieces(k: int) -> tuple[int, int]:
     return a, max(16, triton.next_power_of_2(max(k - a, 1)))
 
 
-def supported(device: torch.device, hidden: int, heads: int, head_dim: int) -> bool:
-    """Whether layers() runs here: Hopper or newer (its bulk L2 prefetch), the heads filling the hidden width, a
-    power-of-2 head_dim; the interpreter (a CPU) always."""
+def grid(hidden: int, intermediate: int, qkv_rows: int) -> int:
+    """Programs: one per column block of the widest phase (each loads its one weight tile before its barrier)."""
+    return max(triton.cdiv(m, BN) for m in (qkv_rows, intermediate, hidden))
+
+
+def supported(device: torch.device, hidden: int, intermediate: int, heads: int, kv_heads: int,
+              head_dim: int) -> bool:
+    """Whether layers() runs here: Hopper or newer (its bulk L2 prefetch) with an SM for each program (the
+    barriers need them all resident), the heads filling the hidden width, a power-of-2 head_dim; the interpreter
+    (a CPU) always."""
     shape = heads * head_dim == hidden and head_dim & (head_dim - 1) == 0
-    return shape and (device.type != "cuda" or torch.cuda.get_device_capability(device)[0] >= 9)
-
-
-def grid(hidden: int, intermediate: int, qkv_rows: int, device: torch.device) -> int:
-    """Programs: one per column block of the widest phase, at most one per SM."""
-    n = max(triton.cdiv(m, BN) for m in (qkv_rows, intermediate, hidden))
-    return min(n, torch.cuda.get_device_properties(device).multi_processor_count) if device.type == "cuda" else n
+    if not shape or device.type != "cuda":
+        return shape
+    n = grid(hidden, intermediate, (heads + 2 * kv_heads) * head_dim)
+    return torch.cuda.get_device_capability(device)[0] >= 9 and \
+        n <= torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def layers(h: torch.Tensor, w: dict[str, torch.Tensor], rope: torch.Tensor, sliding: torch.Tensor,
@@ -313,19 +350,24 @@ def layers(h: torch.Tensor, w: dict[str, torch.Tensor], rope: torch.Tensor, slid
     nl, qkv_rows = w["qkv"].shape[:2]
     I = w["down"].shape[2]
     dh = w["q_norm"].shape[1]
-    if T > MAX_TOKENS or qkv_rows != (heads + 2 * kv_heads) * dh or not supported(h.device, D, heads, dh):
+    if T > MAX_TOKENS or qkv_rows != (heads + 2 * kv_heads) * dh or \
+            not supported(h.device, D, I, heads, kv_heads, dh):
         raise ValueError(f"layers: {T} tokens (at most {MAX_TOKENS}), head_dim {dh} (a power of 2), "
                          f"qkv rows {qkv_rows} for {heads} + 2 x {kv_heads} heads, heads x head_dim = hidden {D}, "
-                         f"on {h.device} (a GPU: Hopper or newer)")
+                         f"on {h.device} (a GPU: Hopper or newer, an SM for each of {grid(D, I, qkv_rows)} programs)")
     sync = h.is_cuda if sync is None else sync
     bm = max(16, triton.next_power_of_2(T))
-    scratch = torch.empty((5 * T * D + T * qkv_rows + T * I,), dtype=h.dtype, device=h.device)
-    h_b, at, o, d, out = (scratch[i * T * D:(i + 1) * T * D].view(T, D) for i in range(5))
-    d.zero_()  # layer 0's phase A adds it as if it were a previous layer's down output
-    qkv = scratch[5 * T * D:5 * T * D + T * qkv_rows].view(T, qkv_rows)
-    y = scratch[5 * T * D + T * qkv_rows:].view(T, I)
-    bar = torch.zeros(1, dtype=torch.int32, device=h.device)
-    n = grid(D, I, qkv_rows, h.device)
+    scratch = torch.empty((4 * T * D + T * qkv_rows + T * I,), dtype=h.dtype, device=h.device)
+    h_b, at, o, out = (scratch[i * T * D:(i + 1) * T * D].view(T, D) for i in range(4))
+    qkv = scratch[4 * T * D:4 * T * D + T * qkv_rows].view(T, qkv_rows)
+    y = scratch[4 * T * D + T * qkv_rows:].view(T, I)
+    # the barrier's counter and d, which layer 0's phase A adds as if it were a previous layer's down output, zeroed
+    # by one fill: a kernel less in each CUDA graph
+    nd = (T * D * h.element_size() + 3) // 4  # d's int32 words
+    zeros = torch.zeros(nd + 1, dtype=torch.int32, device=h.device)
+    d = zeros[:nd].view(h.dtype)[:T * D].view(T, D)
+    bar = zeros[nd:]
+    n = grid(D, I, qkv_rows)
     total = PHASES * nl + 1
     phases = [(0, total)] if sync else [(p, p + 1) for p in range(total)]
     (d1, d2), (i1, i2) = _pieces(D), _pieces(I)

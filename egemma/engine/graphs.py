@@ -40,7 +40,7 @@ class GraphVars:
     """The graph inputs of one bucket: named views of one int64 buffer, so a batch costs one host->device copy."""
     ids: torch.Tensor  # [t]
     pos: torch.Tensor  # [t]
-    cu_seqlens: torch.Tensor  # [slots + 2]: the sequences, the padding sequence, and its end
+    cu_seqlens: torch.Tensor  # int32 [slots + 2]: the sequences, the padding sequence, and its end
     size: int  # elements used
 
 
@@ -76,8 +76,11 @@ class GraphRunner:
         return min(self.max_seqs, t)
 
     def vars(self, buf: torch.Tensor, t: int) -> GraphVars:
-        n = self.slots(t)
-        return GraphVars(buf[:t], buf[t:2 * t], buf[2 * t:2 * t + n + 2], 2 * t + n + 2)
+        # cu_seqlens as int32 pairs in the int64 buffer: what attention and pooling read, with no conversion kernel
+        # in the graph
+        n = (self.slots(t) + 3) // 2
+        return GraphVars(buf[:t], buf[t:2 * t], buf[2 * t:2 * t + n].view(torch.int32)[:self.slots(t) + 2],
+                         2 * t + n)
 
     def _capture(self) -> float:
         """Every graph, largest first so that the smaller ones reuse its memory pool; returns the seconds taken."""
@@ -125,7 +128,7 @@ class GraphRunner:
         t, m = key
         v = self._upload(t)
         a = self.attn[key]
-        b = Packed(v.ids, v.pos, v.cu_seqlens.int(), m)
+        b = Packed(v.ids, v.pos, v.cu_seqlens, m)
         return self.model.embed_packed(b, self.slots(t), self.ops, (attention_fn(a[0]), attention_fn(a[1])),
                                        self.stack[key] if stack is None else stack)
 
@@ -176,8 +179,8 @@ class GraphRunner:
         shape it supports, and faster than the layered forward, each timed as graphs of the whole forward."""
         from egemma.kernels import layer_stack
         c = self.model.cfg
-        if key[0] > STACK_TOKENS or self.model.dtype != torch.bfloat16 or \
-                not layer_stack.supported(self.model.device, c.hidden, c.heads, c.head_dim):
+        if key[0] > STACK_TOKENS or self.model.dtype != torch.bfloat16 or not layer_stack.supported(
+                self.model.device, c.hidden, c.intermediate, c.heads, c.kv_heads, c.head_dim):
             return False
         self._fill_dummy(key)
         ms = {s: time_ms(lambda s=s: self._forward(key, s)) for s in (False, True)}
@@ -196,5 +199,5 @@ class GraphRunner:
         qkv = torch.randn(t, (c.heads + 2 * c.kv_heads) * c.head_dim, device=self.model.device, dtype=self.model.dtype)
         q, k, vv = self.ops.qk_norm_rope(qkv, v.pos, L.q_norm, L.k_norm, *self.model.rope[True], c.heads,
                                          c.kv_heads, c.eps, torch.ones(t, device=qkv.device))
-        cu = v.cu_seqlens.int()
+        cu = v.cu_seqlens
         return tuple(pick_attention(cands, q, k, vv, cu, m, w, c.attn_scale) for w in (c.window, -1))
