@@ -131,8 +131,8 @@ def _residual(h_ptr, p_ptr, w_post, h_out, cb, M, eps, D: tl.constexpr, D1: tl.c
 
 @triton.jit
 def _mm(x1, x2, w1, w2):
-    """[x1 | x2] @ [w1 | w2].T, the weights' column block cb as _rows(w + cb * BNW * K, K, N - cb * BNW, ...) loads
-    it from w [N, K] row-major; x rounded to w's dtype first."""
+    """[x1 | x2] @ [w1 | w2].T for a column block of w [N, K] (row-major) in its two K pieces, as _rows loads it; x
+    rounded to w's dtype first."""
     return tl.dot(x1.to(w1.dtype), tl.trans(w1)) + tl.dot(x2.to(w1.dtype), tl.trans(w2))
 
 
