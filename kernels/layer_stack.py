@@ -130,9 +130,14 @@ def _residual(h_ptr, p_ptr, w_post, h_out, cb, M, eps, D: tl.constexpr, D1: tl.c
 
 
 @triton.jit
+def _w_rows(w_ptr, cb, N, K: tl.constexpr, K1: tl.constexpr, K2: tl.constexpr, BNW: tl.constexpr):
+    """Column block cb of w [N, K] (row-major) for _mm: its BNW rows as the two K pieces [BNW, K1], [BNW, K2]."""
+    return _rows(w_ptr + cb * BNW * K, K, N - cb * BNW, K1, K2, BNW)
+
+
+@triton.jit
 def _mm(x1, x2, w1, w2):
-    """[x1 | x2] @ [w1 | w2].T for a column block of w [N, K] (row-major) in its two K pieces, as _rows loads it; x
-    rounded to w's dtype first."""
+    """[x1 | x2] @ [w1 | w2].T for a column block of w as _w_rows loads it; x rounded to w's dtype first."""
     return tl.dot(x1.to(w1.dtype), tl.trans(w1)) + tl.dot(x2.to(w1.dtype), tl.trans(w2))
 
 
@@ -270,7 +275,7 @@ def _layers_kernel(h_a, h_b, qkv_ptr, at_ptr, o_ptr, y_ptr, d_ptr, out_ptr, bar,
                 tl.store(out_ptr + rows[:, None] * D + c1, (x1 * r * w1).to(dt), mask=(rows[:, None] < M) & (c1 < D))
                 tl.store(out_ptr + rows[:, None] * D + c2, (x2 * r * w2).to(dt), mask=(rows[:, None] < M) & (c2 < D))
         elif stage == 0:  # A: h_a (+ the previous layer's down output, normed) -> h_b; qkv
-            wa1, wa2 = _rows(wqkv + L * NQKV * D + pid * BN * D, D, NQKV - pid * BN, D1, D2, BN)
+            wa1, wa2 = _w_rows(wqkv + L * NQKV * D, pid, NQKV, D, D1, D2, BN)
             _enter(bar, times, ph, first, SYNC, TIMES)
             for cb in range(pid, tl.cdiv(NQKV, BN), G):
                 # layer 0 adds d = 0 (zeroed at launch): one code path (a runtime branch made phase A 14.7 us against
@@ -290,7 +295,7 @@ def _layers_kernel(h_a, h_b, qkv_ptr, at_ptr, o_ptr, y_ptr, d_ptr, out_ptr, bar,
             for cb in range(pid, tl.cdiv(D, BN), G):
                 _store(o_ptr, _mm_split(at_ptr, M, wc1, wc2, H * DH, D1, D2, BM, KSD), cb, M, D, BM, BN)
         elif stage == 3:  # D: h_b + the o output, normed -> h_a; gate_up + gelu
-            wd1, wd2 = _rows(wgu + L * 2 * I * D + pid * 2 * BN * D, D, 2 * I - pid * 2 * BN, D1, D2, 2 * BN)
+            wd1, wd2 = _w_rows(wgu + L * 2 * I * D, pid, 2 * I, D, D1, D2, 2 * BN)
             _enter(bar, times, ph, first, SYNC, TIMES)
             for cb in range(pid, tl.cdiv(I, BN), G):
                 x1, x2, r = _residual(h_b, o_ptr, n_attn + L * D, h_a, cb, M, eps, D, D1, D2, BM)
