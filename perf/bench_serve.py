@@ -182,6 +182,16 @@ def w1(url, metrics_url, model, data, out: Path, name, log):
     return {**res, "per_model_ms_per_execution": stats_delta(before, model_stats(c))}
 
 
+def encoder_times(cb: dict, ca: dict) -> dict:
+    """The encoder model's own time per execute, ms, from its counters between two reads: all of execute, and the
+    engine's embed in it (what Triton's compute_infer adds around execute is the stub's and the IPC's)."""
+    n = ca.get("egemma_executes_total", 0) - cb.get("egemma_executes_total", 0)
+    if not n or "egemma_encoder_seconds_total" not in ca:  # the floor has no counters
+        return {}
+    return {f"encoder_{k}_ms": 1e3 * (ca[f"egemma_{s}_seconds_total"] - cb.get(f"egemma_{s}_seconds_total", 0)) / n
+            for k, s in (("execute", "encoder"), ("embed", "embed"))}
+
+
 def tokenizer_times(tok: TextTokenizer, checkpoint: Path, texts: dict) -> dict:
     """The tokenizer model's call (texts in pieces, int32 arrays out) with each backend, against one batched call of
     the checkpoint's tokenizer as transformers builds it, on this host's cores: 8 x 2048 tokens, 256 queries, one.
@@ -232,10 +242,11 @@ def run_suite(name, url, metrics_url, model, data, out: Path, log, suite: str):
     families = [k for k in ("w1", "w1_code", "w1_cjk") if k in data] if suite != "sweep" else []
     res = {k: w1(url, metrics_url, model, data[k], out, f"{name}_{k[3:]}" if k != "w1" else name, log) for k in families}
     stats = grpcclient.InferenceServerClient(url)
-    before = model_stats(stats)
+    before, cb = model_stats(stats), counters(metrics_url)
     res["w2"] = perf_analyzer(url, model, data["w2"], out / f"{name}_w2.csv", ["--concurrency-range", "1"], log)
     if res["w2"]:  # where one query's time goes, per model (one request per execution: plain durations)
         res["w2"]["per_model_ms_per_execution"] = stats_delta(before, model_stats(stats))
+        res["w2"].update(encoder_times(cb, counters(metrics_url)))
     res["w3"] = {}
     for c in {"full": CONCURRENCY, "short": [128, 256], "sweep": [128, 256]}[suite]:
         mon = gpu_util(out / f"{name}_gpu_c{c}.txt") if c == 128 else None
@@ -422,6 +433,8 @@ def summary(results):
             *((f"{k} tokenizer / encoder infer ms", lambda r, k=k: split(r, k))
               for k in ("w1", "w1_code", "w1_cjk", "w2")),
             ("w1 tokenizer execute ms", lambda r: f((r.get("w1") or {}), "tokenizer_execute_ms")),
+            ("w2 encoder execute / embed ms", lambda r: f"{f(r['w2'], 'encoder_execute_ms')} / "
+                                                        f"{f(r['w2'], 'encoder_embed_ms')}"),
             ("w2 1 query p50 / p99 ms", lambda r: f"{f(r['w2'], 'p50_ms')} / {f(r['w2'], 'p99_ms')}")]
     for c in CONCURRENCY:
         rows.append((f"w3 c={c} req/s (p50 ms)", lambda r, c=c: f"{f(r['w3'].get(c), 'rps')} "

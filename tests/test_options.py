@@ -80,6 +80,7 @@ def test_metrics_are_exported(server):
     text = urllib.request.urlopen(f"http://{server.host}:{server.metrics_port}/metrics").read().decode()
     values = {ln.split()[0]: float(ln.split()[1]) for ln in text.splitlines() if ln.startswith("egemma_")}
     for name in ("egemma_tokens_total", "egemma_sequences_total", "egemma_executes_total", "egemma_texts_total",
-                 "egemma_tokenizer_seconds_total", "egemma_eager_runs_total", "egemma_graph_replays_total"):
+                 "egemma_tokenizer_seconds_total", "egemma_eager_runs_total", "egemma_graph_replays_total",
+                 "egemma_encoder_seconds_total", "egemma_embed_seconds_total"):
         assert name in values
     assert values["egemma_tokens_total"] > 0 and values["egemma_texts_total"] > 0

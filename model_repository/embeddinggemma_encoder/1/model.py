@@ -3,6 +3,7 @@ Every row of every request in the dynamic batch is packed into one varlen token 
 gets its own error and never fails the others. Request parameters: dimensions (Matryoshka truncation +
 renormalisation), encoding (float -> EMBEDDING, ubinary -> EMBEDDING_UBINARY, binary -> EMBEDDING_BINARY)."""
 import logging
+import time
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -28,7 +29,9 @@ class TritonPythonModel:
         self.a = Adapter(pb_utils)
         self.counters = Counters(pb_utils, {
             "tokens": "Tokens embedded", "sequences": "Sequences embedded", "executes": "execute() calls",
-            "graph_replays": "Forwards replayed from a CUDA graph", "eager_runs": "Forwards run eagerly"})
+            "graph_replays": "Forwards replayed from a CUDA graph", "eager_runs": "Forwards run eagerly",
+            "encoder_seconds": "Time spent in the encoder's execute, seconds",
+            "embed_seconds": "Time spent in the engine's embed (the GPU's included), seconds"})
         self.seen = dict(self.engine.stats)
 
     def _parse(self, req) -> tuple[RequestOptions, list[np.ndarray]]:
@@ -64,6 +67,7 @@ class TritonPythonModel:
             return self._execute(requests)
 
     def _execute(self, requests):
+        t0 = time.perf_counter()
         responses, parsed = self.a.parse_each(requests, self._parse)
         try:
             bad = self._vocab_errors(parsed)
@@ -77,8 +81,10 @@ class TritonPythonModel:
                 spans.append((i, len(seqs), len(seqs) + len(rows), opts))
                 seqs.extend(rows)
         self.beat.tokens(sum(len(s) for s in seqs))  # a large batch is allowed proportionally longer
+        t1 = time.perf_counter()
         try:
             emb = self.engine.embed(seqs)
+            t2 = time.perf_counter()
         except Exception as e:  # an engine fault fails this batch's requests cleanly, not the stub
             for i, *_ in spans:
                 responses[i] = self.a.internal(e, "engine failure")
@@ -86,6 +92,7 @@ class TritonPythonModel:
         self.a.respond_each(responses, [(i, (emb[a:b], opts)) for i, a, b, opts in spans],
                             lambda e, opts: self.a.outputs(dict([shape_output(e, opts)])))
         stats = self.engine.stats
-        self.a.count(self.counters, executes=1, sequences=len(seqs), **{k: v - self.seen[k] for k, v in stats.items()})
+        self.a.count(self.counters, executes=1, sequences=len(seqs), encoder_seconds=time.perf_counter() - t0,
+                     embed_seconds=t2 - t1, **{k: v - self.seen[k] for k, v in stats.items()})
         self.seen = dict(stats)
         return responses
