@@ -250,10 +250,11 @@ def run_suite(name, url, metrics_url, model, data, out: Path, log, suite: str):
     res["w3"] = {}
     for c in {"full": CONCURRENCY, "short": [128, 256], "sweep": [128, 256]}[suite]:
         mon = gpu_util(out / f"{name}_gpu_c{c}.txt") if c == 128 else None
-        before, cpu0 = model_stats(stats), cpu_times()
+        before, cpu0, cb = model_stats(stats), cpu_times(), counters(metrics_url)
         res["w3"][c] = perf_analyzer(url, model, data["w3"], out / f"{name}_w3_c{c}.csv",
                                      ["--concurrency-range", str(c)], log)
         if c == 128:
+            res["w3_c128_encoder"] = encoder_times(cb, counters(metrics_url))
             if mon:
                 mon.terminate()
                 mon.wait()
@@ -433,8 +434,9 @@ def summary(results):
             *((f"{k} tokenizer / encoder infer ms", lambda r, k=k: split(r, k))
               for k in ("w1", "w1_code", "w1_cjk", "w2")),
             ("w1 tokenizer execute ms", lambda r: f((r.get("w1") or {}), "tokenizer_execute_ms")),
-            ("w2 encoder execute / embed ms", lambda r: f"{f(r['w2'], 'encoder_execute_ms')} / "
-                                                        f"{f(r['w2'], 'encoder_embed_ms')}"),
+            *((f"{w} encoder execute / embed ms", lambda r, k=k: " / ".join(
+                f(r.get(k) or {}, m) for m in ("encoder_execute_ms", "encoder_embed_ms")))
+              for w, k in (("w2", "w2"), ("w3 c=128", "w3_c128_encoder"))),
             ("w2 1 query p50 / p99 ms", lambda r: f"{f(r['w2'], 'p50_ms')} / {f(r['w2'], 'p99_ms')}")]
     for c in CONCURRENCY:
         rows.append((f"w3 c={c} req/s (p50 ms)", lambda r, c=c: f"{f(r['w3'].get(c), 'rps')} "
