@@ -151,3 +151,14 @@ def test_nan_bait_gives_finite_exact_embeddings(server, checkpoints, good_ref):
     for (r, e), want in zip(res, ref):
         assert e is None, e
         assert_close(r.as_numpy("EMBEDDING"), want[None])
+
+
+def test_bad_seq_len_fails_alone(server, good_ref):
+    """Direct encoder calls whose SEQ_LEN lies outside [1, row width]: an INVALID_ARG each, the batch unharmed."""
+    ids = np.array([[2, 100, 1]], dtype=np.int32)
+    jobs = [("embeddinggemma_encoder", [raw_input("INPUT_IDS", "INT32", ids),
+                                        raw_input("SEQ_LEN", "INT32", np.array([[n]], dtype=np.int32))])
+            for n in (0, -3, 4)]
+    for r, e in mixed(server, good_ref, jobs):
+        assert r is None
+        assert_clean_error(e, "SEQ_LEN values must lie in [1, 3]")

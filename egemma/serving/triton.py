@@ -55,6 +55,10 @@ class Adapter:
     def outputs(self, tensors: dict[str, Any]):
         return self.pb.InferenceResponse(output_tensors=[self.pb.Tensor(k, v) for k, v in tensors.items()])
 
+    def output(self, name: str, value):
+        """outputs({name: value}) without the dict: the encoder's one output, once a request."""
+        return self.pb.InferenceResponse(output_tensors=[self.pb.Tensor(name, value)])
+
     def respond_each(self, responses: list, items, respond: Callable):
         """responses[i] = respond(*args) for each (i, args) of items; a raise costs only that request."""
         for i, args in items:
