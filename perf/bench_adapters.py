@@ -7,22 +7,13 @@ responses) and the tokenizer's execute. Any host will do, a CPU one included: th
 import argparse
 import queue
 import time
-import urllib.request
 from pathlib import Path
 
 import numpy as np
 import tritonclient.grpc as grpcclient
 
+from bench_serve import counters  # perf/ is on sys.path when run as a script
 from egemma.ops.tritonserver import TritonServer, free_port
-
-
-def counters(url: str) -> dict[str, float]:
-    out = {}
-    for line in urllib.request.urlopen(url).read().decode().splitlines():
-        if line.startswith("egemma_"):
-            name = line.split("{")[0].split()[0]
-            out[name] = out.get(name, 0.0) + float(line.rsplit(None, 1)[1])
-    return out
 
 
 def text(i: int):
@@ -61,7 +52,7 @@ def main():
     with TritonServer(a.checkpoint, http_port=ports[0], grpc_port=ports[1], metrics_port=ports[2],
                       log_file=open(a.log, "w")) as s:
         c = grpcclient.InferenceServerClient(s.grpc_url)
-        url = f"http://{s.host}:{s.metrics_port}/metrics"
+        url = f"{s.host}:{s.metrics_port}"
         for _ in range(a.rounds):
             time.sleep(1.1)  # the counters flush once a second: both reads see every execute before them
             before = counters(url)
