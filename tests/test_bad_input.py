@@ -154,7 +154,8 @@ def test_nan_bait_gives_finite_exact_embeddings(server, checkpoints, good_ref):
 
 
 def test_bad_seq_len_fails_alone(server, good_ref):
-    """Direct encoder calls whose SEQ_LEN lies outside [1, row width]: an INVALID_ARG each, the batch unharmed."""
+    """Direct encoder calls whose SEQ_LEN lies outside [1, row width], over gRPC (beside good requests) and over
+    Triton's HTTP: an INVALID_ARG (HTTP 400) each, the batch unharmed."""
     ids = np.array([[2, 100, 1]], dtype=np.int32)
     jobs = [("embeddinggemma_encoder", [raw_input("INPUT_IDS", "INT32", ids),
                                         raw_input("SEQ_LEN", "INT32", np.array([[n]], dtype=np.int32))])
@@ -162,3 +163,11 @@ def test_bad_seq_len_fails_alone(server, good_ref):
     for r, e in mixed(server, good_ref, jobs):
         assert r is None
         assert_clean_error(e, "SEQ_LEN values must lie in [1, 3]")
+    url = f"http://{server.http_url}/v2/models/embeddinggemma_encoder/infer"
+    with requests.Session() as http:
+        for n in (0, -3, 4):
+            r = http.post(url, json={"inputs": [
+                {"name": "INPUT_IDS", "shape": [1, 3], "datatype": "INT32", "data": ids.ravel().tolist()},
+                {"name": "SEQ_LEN", "shape": [1, 1], "datatype": "INT32", "data": [n]}]}, timeout=60)
+            assert r.status_code == 400, (n, r.status_code, r.text)
+            assert "SEQ_LEN values must lie in [1, 3]" in r.json()["error"], r.text
