@@ -107,6 +107,7 @@ def run_pool(pool, args):
             lat = [x for _ in procs for x in results.get()[1]]
             for b in burners:
                 b.kill()
+                b.join()
             a = np.array(lat)
             out[mode] = {"batches_per_s": len(a) / args.seconds, "p50": float(np.median(a)),
                          "mean": float(a.mean()), "p99": float(np.percentile(a, 99))}
