@@ -12,8 +12,9 @@ Workloads (gRPC, text built from real English prose, token counts measured with 
   w2  one ~16-token query, concurrency 1                       (perf_analyzer)
   w3  single ~20-token texts, concurrency 1 .. 256             (perf_analyzer; throughput, latency)
   w4  80% queries of 10-40 tokens, 20% passages of 200-600, Poisson arrivals at 70% of the max rate
-Each --sweep variant (instance counts), and with --floor the repository with do-nothing models, runs w1, w2 and
-w3 at c=128/256 on its own server after the suite on the repository's defaults (--tokenizers-too: ours with
+Each --sweep variant (instance counts; with --floor also the floor with those counts), and with --floor the repository
+with do-nothing models, runs w1, w2 and w3 at c=128/256 (w2 and w3 only with --suite sweep) on its own server after
+the suite on the repository's defaults (--tokenizers-too: ours with
 Hugging Face's tokenizer in place of kernels/bpe.c, the A/B of the tokenizer backend); each --floor-wait variant,
 the floor whose encoder sleeps that long an execute as ours waits for its GPU, runs w2 and w3. Per-model split
 (Triton's statistics) for w1 and w3 at c=128. The size of the tokenizer's pieces: perf/tokenizer_pieces.py.
@@ -370,19 +371,21 @@ def main():
     # (name, repository, model, suite, instance counts, stub Python: None = the default numpy<2 one, GPUs to place on,
     # model parameters)
     suites = [("ours", ours, "embeddinggemma", a.suite, None, None, None, None)]
+    variant_suite = "sweep" if a.suite == "sweep" else "short"
+    floor = floor_repository(a.out / "floor_repository") if a.floor else None
     if a.tokenizers_too:
-        suites.append(("ours tokenizers", ours, "embeddinggemma", "sweep" if a.suite == "sweep" else "short", None,
-                       None, None, {"tokenizer_backend": "tokenizers"}))
-    for v in a.sweep:  # named like "ours tok6 enc3"
+        suites.append(("ours tokenizers", ours, "embeddinggemma", variant_suite, None, None, None,
+                       {"tokenizer_backend": "tokenizers"}))
+    for v in a.sweep:  # named like "ours tok6 enc3"; with --floor, the floor with the same counts beside it
         counts = {m: int(n) for m, n in (kv.split("=") for kv in v.split(","))}
-        suites.append(("ours " + " ".join(f"{m.rsplit('_', 1)[-1][:3]}{n}" for m, n in counts.items()), ours,
-                       "embeddinggemma", "short", counts, None, None, None))
+        tag = " ".join(f"{m.rsplit('_', 1)[-1][:3]}{n}" for m, n in counts.items())
+        suites.append((f"ours {tag}", ours, "embeddinggemma", variant_suite, counts, None, None, None))
+        if floor:
+            suites.append((f"floor {tag}", floor, "embeddinggemma", variant_suite, counts, None, None, None))
     if a.gpu0:
-        suites.append(("ours gpus=0", ours, "embeddinggemma", "sweep" if a.suite == "sweep" else "short", None, None,
-                       [0], None))
-    if a.floor:
-        suites.append(("floor", floor_repository(a.out / "floor_repository"), "embeddinggemma", "short", None, None,
-                       None, None))
+        suites.append(("ours gpus=0", ours, "embeddinggemma", variant_suite, None, None, [0], None))
+    if floor:
+        suites.append(("floor", floor, "embeddinggemma", "short", None, None, None, None))
     for us in a.floor_wait:
         suites.append((f"floor wait {us}us", floor_repository(a.out / f"floor_repository_{us}", us), "embeddinggemma",
                        "sweep", None, None, None, None))
