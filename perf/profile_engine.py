@@ -1,7 +1,10 @@
 """Where the engine's GPU time goes: torch.profiler over eager forwards of one workload, kernels grouped into
 GEMM / attention / norm (q/k-norm + RoPE among them) / copy / other, plus graph-replay wall time vs GPU time, and the
 graph's own kernels as they ran in replays: their sum, the idle time between them and where it falls. "ten queued":
-the replay time with ten launched back to back, which hides what a single replay waits for its launch.
+the replay time with ten launched back to back, which hides what a single replay waits for its launch. "rested": one
+replay 20 ms after the last, at the clock the GPU holds when it is not at its power limit; the plain replay time runs
+replays one after another, and at 8 x 2048 that holds the H200 at its 700 W cap, ~1.7 against 1.98 GHz (perf/RESULTS.md
+run 114). Both are GPU times between CUDA events.
 
   python perf/profile_engine.py CHECKPOINT [--batch 64x128]"""
 import argparse
@@ -78,6 +81,21 @@ def main():
         profile_backend(a.checkpoint, backend, a.batch or ["8x2048", "64x128", "1x16"], a.trace_dir)
 
 
+def rested_ms(fn, reps: int = 20, idle_s: float = 0.02) -> float:
+    """Median GPU ms of fn() run alone after idle_s of an idle GPU each time."""
+    runs = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        time.sleep(idle_s)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        runs.append(start.elapsed_time(end))
+    return sorted(runs)[len(runs) // 2]
+
+
 def profile_backend(checkpoint, backend, batches, trace_dir=None):
     eng = Engine(EngineConfig(checkpoint, norm_backend=backend))
     rng = np.random.default_rng(0)
@@ -101,6 +119,7 @@ def profile_backend(checkpoint, backend, batches, trace_dir=None):
         g = eng.graphs.graphs[t][0]
         replay = time_ms(g.replay, reps=20, capture=False)
         queued = time_ms(lambda: [g.replay() for _ in range(10)], reps=7, capture=False) / 10
+        rested = rested_ms(g.replay)
         with open(f"{trace_dir}/graph_{spec}.txt", "w") if trace_dir else contextlib.nullcontext() as log:
             graph = in_graph(g.replay, top, log)
         t0 = time.perf_counter()
@@ -108,7 +127,7 @@ def profile_backend(checkpoint, backend, batches, trace_dir=None):
             eng.embed(seqs)
         embed_ms = (time.perf_counter() - t0) / 20 * 1e3
         print(f"\n== norms={backend} {spec} (graph {t}, attention {eng.graphs.attn[t]}): graph replay {replay:.3f} "
-              f"ms GPU ({queued:.3f} ten queued), embed() {embed_ms:.3f} ms wall, eager kernels "
+              f"ms GPU ({queued:.3f} ten queued, {rested:.3f} rested), embed() {embed_ms:.3f} ms wall, eager kernels "
               f"{sum(per.values()):.3f} ms")
         print("   " + ", ".join(f"{k} {v:.3f}" for k, v in per.most_common()))
         print(graph)
