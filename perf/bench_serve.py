@@ -185,12 +185,17 @@ def w1(url, metrics_url, model, data, out: Path, name, log):
 
 def encoder_times(cb: dict, ca: dict) -> dict:
     """The encoder model's own time per execute, ms, from its counters between two reads: all of execute, and the
-    engine's embed in it (what Triton's compute_infer adds around execute is the stub's and the IPC's)."""
+    engine's embed in it (what Triton's compute_infer adds around execute is the stub's and the IPC's); and the
+    tokenizer model's execute per text."""
     n = ca.get("egemma_executes_total", 0) - cb.get("egemma_executes_total", 0)
     if not n or "egemma_encoder_seconds_total" not in ca:  # the floor has no counters
         return {}
-    return {f"encoder_{k}_ms": 1e3 * (ca[f"egemma_{s}_seconds_total"] - cb.get(f"egemma_{s}_seconds_total", 0)) / n
-            for k, s in (("execute", "encoder"), ("embed", "embed"))}
+    out = {f"encoder_{k}_ms": 1e3 * (ca[f"egemma_{s}_seconds_total"] - cb.get(f"egemma_{s}_seconds_total", 0)) / n
+           for k, s in (("execute", "encoder"), ("embed", "embed"))}
+    if texts := ca.get("egemma_texts_total", 0) - cb.get("egemma_texts_total", 0):
+        out["tokenizer_execute_ms_per_text"] = 1e3 * (ca["egemma_tokenizer_seconds_total"]
+                                                      - cb.get("egemma_tokenizer_seconds_total", 0)) / texts
+    return out
 
 
 def tokenizer_times(tok: TextTokenizer, checkpoint: Path, texts: dict) -> dict:
@@ -439,6 +444,8 @@ def summary(results):
             ("w1 tokenizer execute ms", lambda r: f((r.get("w1") or {}), "tokenizer_execute_ms")),
             *((f"{w} encoder execute / embed ms", lambda r, k=k: " / ".join(
                 f(r.get(k) or {}, m) for m in ("encoder_execute_ms", "encoder_embed_ms")))
+              for w, k in (("w2", "w2"), ("w3 c=128", "w3_c128_encoder"))),
+            *((f"{w} tokenizer execute ms a text", lambda r, k=k: f(r.get(k) or {}, "tokenizer_execute_ms_per_text"))
               for w, k in (("w2", "w2"), ("w3 c=128", "w3_c128_encoder"))),
             ("w2 1 query p50 / p99 ms", lambda r: f"{f(r['w2'], 'p50_ms')} / {f(r['w2'], 'p99_ms')}")]
     for c in CONCURRENCY:
