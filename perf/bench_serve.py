@@ -17,7 +17,8 @@ with do-nothing models, runs w1, w2 and w3 at c=128/256 (w2 and w3 only with --s
 the suite on the repository's defaults (--tokenizers-too: ours with
 Hugging Face's tokenizer in place of kernels/bpe.c, the A/B of the tokenizer backend); each --floor-wait variant,
 the floor whose encoder sleeps that long an execute as ours waits for its GPU, runs w2 and w3. Per-model split
-(Triton's statistics) for w1 and w3 at c=128. The size of the tokenizer's pieces: perf/tokenizer_pieces.py.
+(Triton's statistics) for w1 and w3 at c=128, and the GPU's
+utilisation, SM clock and power during each. The size of the tokenizer's pieces: perf/tokenizer_pieces.py.
 Writes CSV per perf_analyzer run, results.json, throughput/latency PNG, and prints a summary table."""
 import argparse
 import csv
@@ -171,10 +172,12 @@ def w1(url, metrics_url, model, data, out: Path, name, log):
     tokenizer model's own time in execute (its counters: what Triton's compute adds around it is the stub's)."""
     c = grpcclient.InferenceServerClient(url)
     before, cb = model_stats(c), counters(metrics_url)
-    res = perf_analyzer(url, model, data, out / f"{name}_w1.csv", ["-b", "8", "--concurrency-range", "1"], log,
-                        window_ms=4000)
+    with GpuMonitor(out / f"{name}_gpu_w1.txt") as gpu:
+        res = perf_analyzer(url, model, data, out / f"{name}_w1.csv", ["-b", "8", "--concurrency-range", "1"], log,
+                            window_ms=4000)
     if not res:
         return None
+    res["gpu"] = gpu.means
     ca = counters(metrics_url)
     texts = ca.get("egemma_texts_total", 0) - cb.get("egemma_texts_total", 0)
     if texts:  # both counters flush together, so their ratio is exact even with a flush pending
@@ -234,12 +237,38 @@ def cpu_times() -> tuple[int, int]:
     return sum(v) - v[3] - v[4], sum(v)  # idle and iowait are not busy
 
 
-def gpu_util(seconds_log):
-    try:
-        return subprocess.Popen(["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits",
-                                 "-lms", "200"], stdout=open(seconds_log, "w"), stderr=subprocess.DEVNULL)
-    except OSError:
-        return None
+class GpuMonitor:
+    """nvidia-smi sampling the GPU's utilisation (%), SM clock (MHz) and board power (W) every 200 ms while open into
+    path; `means` after ({} without nvidia-smi). Back to back the 8 x 2048 forward holds the H200 at its power cap
+    (perf/RESULTS.md run 114): the clock says whether a workload ran there."""
+    FIELDS = ("utilization.gpu", "clocks.sm", "power.draw")
+
+    def __init__(self, path: Path):
+        self.path, self.proc, self.means = path, None, {}
+
+    def __enter__(self) -> "GpuMonitor":
+        try:
+            self.proc = subprocess.Popen(["nvidia-smi", f"--query-gpu={','.join(self.FIELDS)}",
+                                          "--format=csv,noheader,nounits", "-lms", "200"],
+                                         stdout=open(self.path, "w"), stderr=subprocess.DEVNULL)
+        except OSError:
+            pass
+        return self
+
+    def __exit__(self, *exc):
+        if self.proc is None:
+            return
+        self.proc.terminate()
+        self.proc.wait()
+        rows = []
+        for line in open(self.path).read().splitlines():
+            try:
+                rows.append([float(v) for v in line.split(",")])
+            except ValueError:  # [N/A] where the GPU does not report one
+                continue
+        rows = [r for r in rows if len(r) == len(self.FIELDS)]
+        if rows:
+            self.means = {f: statistics.mean(r[i] for r in rows) for i, f in enumerate(self.FIELDS)}
 
 
 def run_suite(name, url, metrics_url, model, data, out: Path, log, suite: str):
@@ -255,17 +284,14 @@ def run_suite(name, url, metrics_url, model, data, out: Path, log, suite: str):
         res["w2"].update(encoder_times(cb, counters(metrics_url)))
     res["w3"] = {}
     for c in {"full": CONCURRENCY, "short": [128, 256], "sweep": [128, 256]}[suite]:
-        mon = gpu_util(out / f"{name}_gpu_c{c}.txt") if c == 128 else None
         before, cpu0, cb = model_stats(stats), cpu_times(), counters(metrics_url)
-        res["w3"][c] = perf_analyzer(url, model, data["w3"], out / f"{name}_w3_c{c}.csv",
-                                     ["--concurrency-range", str(c)], log)
+        with GpuMonitor(out / f"{name}_gpu_c{c}.txt") as gpu:
+            res["w3"][c] = perf_analyzer(url, model, data["w3"], out / f"{name}_w3_c{c}.csv",
+                                         ["--concurrency-range", str(c)], log)
         if c == 128:
             res["w3_c128_encoder"] = encoder_times(cb, counters(metrics_url))
-            if mon:
-                mon.terminate()
-                mon.wait()
-                vals = [float(x) for x in open(out / f"{name}_gpu_c{c}.txt").read().split() if x.strip()]
-                res["gpu_util_c128"] = statistics.mean(vals) if vals else None
+            res["gpu_c128"] = gpu.means
+            res["gpu_util_c128"] = gpu.means.get("utilization.gpu")
             busy, total = (b - a for a, b in zip(cpu0, cpu_times()))
             res["cpu_util_c128"] = 100 * busy / total  # all cores, perf_analyzer included
             # perf_analyzer's warm-up and trials together; the split per execution is what matters
@@ -452,6 +478,9 @@ def summary(results):
         rows.append((f"w3 c={c} req/s (p50 ms)", lambda r, c=c: f"{f(r['w3'].get(c), 'rps')} "
                                                                  f"({f(r['w3'].get(c), 'p50_ms')})"))
     rows.append(("w3 c=128 us/req tok / enc (batch)", serial))
+    rows.append(("w1 GPU SM MHz / W (mean)", lambda r: " / ".join(
+        f"{v:.0f}" if (v := (r.get("w1") or {}).get("gpu", {}).get(k)) is not None else "-"
+        for k in ("clocks.sm", "power.draw"))))
     rows.append(("GPU / CPU util at c=128 %", lambda r: f"{r.get('gpu_util_c128') or 0:.0f} / "
                                                         f"{r.get('cpu_util_c128') or 0:.0f}"))
     rows.append(("w4 @70% max: p50 / p99 ms", lambda r: f"{f(r.get('w4'), 'p50_ms')} / {f(r.get('w4'), 'p99_ms')}"))
