@@ -10,6 +10,7 @@ from __future__ import annotations
 import bisect
 import importlib.util
 import logging
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -71,10 +72,11 @@ def _backend_ops(backend: str) -> dict[str, Callable]:
     return dict(norm_add_norm=norm_add_norm)
 
 
-def time_ms(fn, *args, reps: int = 5, inner: int = 5, capture: bool = True) -> float:
+def time_ms(fn, *args, reps: int = 5, inner: int = 5, capture: bool = True, idle_s: float = 0.0) -> float:
     """Median GPU time of one fn(*args) in ms, by CUDA events around replays of a graph of `inner` calls: the
     forward runs as graph replays, and eager timing would rank by launch overhead instead. capture=False times
-    fn itself (something that replays a graph already)."""
+    fn itself (something that replays a graph already). idle_s: the GPU idles that long before each timed run (off
+    its power cap: perf/profile_engine.py's "rested")."""
     fn(*args)  # lazy initialisation and workspace allocation stay out of the graph
     if capture:
         g = torch.cuda.CUDAGraph()
@@ -86,6 +88,9 @@ def time_ms(fn, *args, reps: int = 5, inner: int = 5, capture: bool = True) -> f
         run, per = (lambda: fn(*args)), 1
     runs = []
     for _ in range(reps):
+        if idle_s:
+            torch.cuda.synchronize()
+            time.sleep(idle_s)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         run()

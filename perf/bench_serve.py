@@ -178,26 +178,32 @@ def w1(url, metrics_url, model, data, out: Path, name, log):
     if not res:
         return None
     res["gpu"] = gpu.means
-    ca = counters(metrics_url)
-    texts = ca.get("egemma_texts_total", 0) - cb.get("egemma_texts_total", 0)
-    if texts:  # both counters flush together, so their ratio is exact even with a flush pending
-        secs = ca["egemma_tokenizer_seconds_total"] - cb.get("egemma_tokenizer_seconds_total", 0)
-        res["tokenizer_execute_ms"] = 8e3 * secs / texts
+    if (per_text := tokenizer_ms_per_text(cb, counters(metrics_url))) is not None:
+        res["tokenizer_execute_ms"] = 8 * per_text
     return {**res, "per_model_ms_per_execution": stats_delta(before, model_stats(c))}
 
 
-def encoder_times(cb: dict, ca: dict) -> dict:
-    """The encoder model's own time per execute, ms, from its counters between two reads: all of execute, and the
-    engine's embed in it (what Triton's compute_infer adds around execute is the stub's and the IPC's); and the
-    tokenizer model's execute per text."""
+def tokenizer_ms_per_text(cb: dict, ca: dict) -> float | None:
+    """The tokenizer model's own time in execute per text, ms, from its counters between two reads (None: no texts,
+    or the floor, which has no counters). Both counters flush together, so their ratio is exact even with a flush
+    pending."""
+    texts = ca.get("egemma_texts_total", 0) - cb.get("egemma_texts_total", 0)
+    if not texts:
+        return None
+    return 1e3 * (ca["egemma_tokenizer_seconds_total"] - cb.get("egemma_tokenizer_seconds_total", 0)) / texts
+
+
+def model_times(cb: dict, ca: dict) -> dict:
+    """Both models' own times from their counters between two reads: the encoder's per execute, ms, all of execute
+    and the engine's embed in it (what Triton's compute_infer adds around execute is the stub's and the IPC's), and
+    the tokenizer's execute per text."""
     n = ca.get("egemma_executes_total", 0) - cb.get("egemma_executes_total", 0)
     if not n or "egemma_encoder_seconds_total" not in ca:  # the floor has no counters
         return {}
     out = {f"encoder_{k}_ms": 1e3 * (ca[f"egemma_{s}_seconds_total"] - cb.get(f"egemma_{s}_seconds_total", 0)) / n
            for k, s in (("execute", "encoder"), ("embed", "embed"))}
-    if texts := ca.get("egemma_texts_total", 0) - cb.get("egemma_texts_total", 0):
-        out["tokenizer_execute_ms_per_text"] = 1e3 * (ca["egemma_tokenizer_seconds_total"]
-                                                      - cb.get("egemma_tokenizer_seconds_total", 0)) / texts
+    if (per_text := tokenizer_ms_per_text(cb, ca)) is not None:
+        out["tokenizer_execute_ms_per_text"] = per_text
     return out
 
 
@@ -247,12 +253,13 @@ class GpuMonitor:
         self.path, self.proc, self.means = path, None, {}
 
     def __enter__(self) -> "GpuMonitor":
-        try:
-            self.proc = subprocess.Popen(["nvidia-smi", f"--query-gpu={','.join(self.FIELDS)}",
-                                          "--format=csv,noheader,nounits", "-lms", "200"],
-                                         stdout=open(self.path, "w"), stderr=subprocess.DEVNULL)
-        except OSError:
-            pass
+        with open(self.path, "w") as log:  # the child keeps its own descriptor
+            try:
+                self.proc = subprocess.Popen(["nvidia-smi", f"--query-gpu={','.join(self.FIELDS)}",
+                                              "--format=csv,noheader,nounits", "-lms", "200"],
+                                             stdout=log, stderr=subprocess.DEVNULL)
+            except OSError:
+                pass
         return self
 
     def __exit__(self, *exc):
@@ -281,7 +288,7 @@ def run_suite(name, url, metrics_url, model, data, out: Path, log, suite: str):
     res["w2"] = perf_analyzer(url, model, data["w2"], out / f"{name}_w2.csv", ["--concurrency-range", "1"], log)
     if res["w2"]:  # where one query's time goes, per model (one request per execution: plain durations)
         res["w2"]["per_model_ms_per_execution"] = stats_delta(before, model_stats(stats))
-        res["w2"].update(encoder_times(cb, counters(metrics_url)))
+        res["w2"].update(model_times(cb, counters(metrics_url)))
     res["w3"] = {}
     for c in {"full": CONCURRENCY, "short": [128, 256], "sweep": [128, 256]}[suite]:
         before, cpu0, cb = model_stats(stats), cpu_times(), counters(metrics_url)
@@ -289,7 +296,7 @@ def run_suite(name, url, metrics_url, model, data, out: Path, log, suite: str):
             res["w3"][c] = perf_analyzer(url, model, data["w3"], out / f"{name}_w3_c{c}.csv",
                                          ["--concurrency-range", str(c)], log)
         if c == 128:
-            res["w3_c128_encoder"] = encoder_times(cb, counters(metrics_url))
+            res["w3_c128_encoder"] = model_times(cb, counters(metrics_url))
             res["gpu_c128"] = gpu.means
             res["gpu_util_c128"] = gpu.means.get("utilization.gpu")
             busy, total = (b - a for a, b in zip(cpu0, cpu_times()))

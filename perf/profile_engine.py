@@ -81,21 +81,6 @@ def main():
         profile_backend(a.checkpoint, backend, a.batch or ["8x2048", "64x128", "1x16"], a.trace_dir)
 
 
-def rested_ms(fn, reps: int = 20, idle_s: float = 0.02) -> float:
-    """Median GPU ms of fn() run alone after idle_s of an idle GPU each time."""
-    runs = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        time.sleep(idle_s)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        runs.append(start.elapsed_time(end))
-    return sorted(runs)[len(runs) // 2]
-
-
 def profile_backend(checkpoint, backend, batches, trace_dir=None):
     eng = Engine(EngineConfig(checkpoint, norm_backend=backend))
     rng = np.random.default_rng(0)
@@ -119,7 +104,7 @@ def profile_backend(checkpoint, backend, batches, trace_dir=None):
         g = eng.graphs.graphs[t][0]
         replay = time_ms(g.replay, reps=20, capture=False)
         queued = time_ms(lambda: [g.replay() for _ in range(10)], reps=7, capture=False) / 10
-        rested = rested_ms(g.replay)
+        rested = time_ms(g.replay, reps=20, capture=False, idle_s=0.02)
         with open(f"{trace_dir}/graph_{spec}.txt", "w") if trace_dir else contextlib.nullcontext() as log:
             graph = in_graph(g.replay, top, log)
         t0 = time.perf_counter()
