@@ -1,4 +1,4 @@
-"""What the HTTP front (egemma.serving.gateway) costs, on the GPU host: one ~16-token query over HTTP, direct to
+"""What the HTTP front (egemma.gateway.app) costs, on the GPU host: one ~16-token query over HTTP, direct to
 Triton's own HTTP, through the gateway's fast lane and through its aiohttp path (a percent-escape in the query
 string, which the lane hands over), interleaved on one server (a keep-alive http.client connection each);
 and the largest request the server takes (64 texts x 1 MB, over gRPC: over HTTP it is a 413) with its time split

@@ -5,7 +5,7 @@ the same texts over gRPC, to the same Triton in the same run.
                                [--drivers 4] [--formats base64 float]
 
 gRPC: perf_analyzer (C++, as perf/bench_serve.py's w3) when it is on PATH, and a tritonclient.grpc.aio driver.
-Gateway: `python -m egemma.serving.gateway --workers W` for each W, driven by asyncio raw-socket HTTP/1.1
+Gateway: `python -m egemma.gateway.app --workers W` for each W, driven by asyncio raw-socket HTTP/1.1
 keep-alive connections (no aiohttp or openai package needed: the GPU host has neither). Both Python drivers run
 in --drivers processes sharing the concurrency, start together and count completions in the same window after a
 warm-up. Every answer's status is checked; a sample of gateway vectors is compared with the gRPC path's
@@ -136,7 +136,7 @@ def http_requests(texts: list[str], fmt: str) -> list[bytes]:
 
 def start_gateway(server, workers: int, log):
     port = free_port()
-    p = subprocess.Popen([sys.executable, "-m", "egemma.serving.gateway", "--port", str(port), "--workers",
+    p = subprocess.Popen([sys.executable, "-m", "egemma.gateway.app", "--port", str(port), "--workers",
                           str(workers), "--triton-http", server.http_url, "--triton-grpc", server.grpc_url],
                          stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
     deadline = time.monotonic() + 60

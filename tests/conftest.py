@@ -111,7 +111,7 @@ def still_serving(server, good_ref):
 
 @pytest.fixture(scope="session")
 def api_gateway(server, tmp_path_factory):
-    """The real gateway process (python -m egemma.serving.gateway, 2 workers) in front of the shared server, as
+    """The real gateway process (python -m egemma.gateway.app, 2 workers) in front of the shared server, as
     the OpenAI and TEI tests drive it: one alias, a 1 MiB body limit (so that 413 is cheap to reach)."""
     from rawhttp import start_front
     max_body, aliases = 1 << 20, ("embeddinggemma",)

@@ -1,4 +1,4 @@
-"""The gateway's fast lane (egemma.serving.fastlane), seen from outside: a plain KServe request is answered with
+"""The gateway's fast lane (egemma.gateway.fastlane), seen from outside: a plain KServe request is answered with
 Triton's own answer, byte for byte (no aiohttp `Server` header), also pipelined; a request the lane does not take
 (chunked, compressed, HTTP/1.0, a health route) is answered by aiohttp, which adds its `Server` header, on the same
 connection, which stays correct afterwards; SIGTERM lets the answer in flight out, with `Connection: close`."""
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from egemma.ops.procfs import rss_kb
-from egemma.serving.instance import read_heartbeats
+from egemma.stub.instance import read_heartbeats
 from helpers import GOOD, assert_close, wait_for
 from rawhttp import INFER, j, read_responses, start_front
 

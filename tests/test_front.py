@@ -1,4 +1,4 @@
-"""The HTTP front (egemma.serving.gateway) before Triton's own HTTP. First what kills a bare Triton 2.51 HTTP
+"""The HTTP front (egemma.gateway.app) before Triton's own HTTP. First what kills a bare Triton 2.51 HTTP
 server (kept as tests so that an upgrade that fixes it shows), then the same requests through the front: a
 400 / 413 or a correct answer, Triton alive, concurrent good requests exact; tritonclient.http (JSON, binary
 tensors, compression), metadata, statistics and the admin key unchanged through it; liveness from the watchdog's
@@ -22,8 +22,8 @@ from tritonclient.utils import InferenceServerException
 
 from egemma.ops.procfs import children, group, kill_group, rss_kb, stub_pids
 from egemma.ops.tritonserver import free_port
-from egemma.serving import health
-from egemma.serving.gateway import DEFAULT_MAX_BODY
+from egemma.gateway import health
+from egemma.gateway.app import DEFAULT_MAX_BODY
 from helpers import GOOD, ROOT, assert_clean_error, assert_close, text_input, wait_for
 from rawhttp import CRASHERS, INFER, VIA_AIOHTTP, binary_request, bytes_element, read_response, request, start_front
 
@@ -41,7 +41,7 @@ def test_bare_triton_http_is_killed_by_one_request(name, start_server):
     run 27). A large body (upstream #5840: the issue saw 4 MiB kill the served ensemble on the GPU host) is
     host- and content-dependent: 8 MiB of garbage got an error answer on both machines in run 27, so that case
     asserts one of the two (an answer and a ready server, or death by SIGSEGV), never success. If a crasher
-    stops killing, the installed Triton fixed that bug: the front's guard for it (egemma.serving.guard) may go."""
+    stops killing, the installed Triton fixed that bug: the front's guard for it (egemma.gateway.guard) may go."""
     srv = start_server(repository=SPIN, ready_timeout=120)
     path, body = CRASHERS.get(name) or (INFER, os.urandom(8 * MIB))
     try:
@@ -271,7 +271,7 @@ def test_sigsegv_of_tritonserver_under_load_is_served_again(checkpoints, tmp_pat
         kids = children(la.pid)
         old = next(p for p, a in kids.items() if os.path.basename(a[0]) == "tritonserver")
         servers.append(old)
-        gateway = next(p for p, a in kids.items() if "egemma.serving.gateway" in a)
+        gateway = next(p for p, a in kids.items() if "egemma.gateway.app" in a)
         old_rss = sum(rss_kb(p) for p in [old, *stub_pids(old)])
         answers = []
 
@@ -335,7 +335,7 @@ def test_sigsegv_of_tritonserver_under_load_is_served_again(checkpoints, tmp_pat
 
 
 def _gateways(pid) -> set[int]:
-    return {p for p, a in children(pid).items() if "egemma.serving.gateway" in a}
+    return {p for p, a in children(pid).items() if "egemma.gateway.app" in a}
 
 
 def _up(port) -> bool:

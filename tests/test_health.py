@@ -1,6 +1,6 @@
-"""Truthful health: every model instance stamps its executes (egemma.serving.instance), so the watchdog finds one
+"""Truthful health: every model instance stamps its executes (egemma.stub.instance), so the watchdog finds one
 hung or spinning instance among several while the others keep answering its canary, and restarts the server;
-its verdict file (egemma.serving.health, what the liveness probe reads) says serving, restarting, or why not, and
+its verdict file (egemma.gateway.health, what the liveness probe reads) says serving, restarting, or why not, and
 ages when the watchdog stops checking. Real tritonservers on tests/spin_repository with 2 instances."""
 import os
 import queue
@@ -11,8 +11,8 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from egemma.serving import health
-from egemma.serving.instance import Heartbeat, read_heartbeats
+from egemma.gateway import health
+from egemma.stub.instance import Heartbeat, read_heartbeats
 from helpers import ROOT, text_input, wait_for
 
 SPIN = ROOT / "tests" / "spin_repository"  # "spin" loops forever, "hang" blocks forever, the rest is answered

@@ -1,5 +1,5 @@
-"""The layout rules, read from the source: the tiers' import directions (engine -> nothing of serving or ops;
-serving -> nothing of ops; kernels -> none of the three), no top-level `kernels` module anywhere, every file
+"""The layout rules, read from the source: the tiers' import directions (engine -> nothing of stub, gateway or ops;
+stub -> nothing of gateway or ops; gateway -> nothing of ops; kernels -> none of the four), no top-level `kernels` module anywhere, every file
 opening with a docstring, source files within ~250 lines unless they say why, and pyproject's package list."""
 import ast
 import os
@@ -15,8 +15,9 @@ try:
 except ModuleNotFoundError:  # Python 3.10: pytest itself depends on tomli there
     import tomli as tomllib
 
-FORBIDDEN = {"egemma.engine": ("egemma.serving", "egemma.ops"), "egemma.serving": ("egemma.ops",),
-             "egemma.kernels": ("egemma.engine", "egemma.serving", "egemma.ops")}
+FORBIDDEN = {"egemma.engine": ("egemma.stub", "egemma.gateway", "egemma.ops"),
+             "egemma.stub": ("egemma.gateway", "egemma.ops"), "egemma.gateway": ("egemma.ops",),
+             "egemma.kernels": ("egemma.engine", "egemma.stub", "egemma.gateway", "egemma.ops")}
 MAX_LINES = 250
 LONG_REASON = re.compile(r"\blong:\s*\S+(\s+\S+){2,}")  # "long:" and a reason of three words or more
 
@@ -69,7 +70,7 @@ def test_tiers_import_only_downwards():
     """Transitively: importing a module runs every module it imports and their packages' __init__, so a rule
     broken two hops away (or in a package __init__) counts."""
     modules = {module_name(p): p for p in py_files("egemma")}
-    assert {"egemma.engine.engine", "egemma.serving.triton", "egemma.ops.launcher", "egemma.kernels.select"} \
+    assert {"egemma.engine.engine", "egemma.stub.adapter", "egemma.ops.launcher", "egemma.kernels.select"} \
         <= modules.keys(), sorted(modules)
 
     def runs(name: str) -> set[str]:  # the known modules that importing `name` executes: it and its parents
@@ -148,9 +149,9 @@ def test_kernels_install_inside_egemma():
     ("from . import native\nfrom .select import Ops\n", "egemma.kernels.x",
      {"egemma.kernels", "egemma.kernels.native", "egemma.kernels.select", "egemma.kernels.select.Ops"}),
     ("def f():\n    import kernels.native\n", "egemma.engine.x", {"kernels.native"}),
-    ("import importlib\nimportlib.import_module('egemma.ops.launcher')\n", "egemma.serving.x",
+    ("import importlib\nimportlib.import_module('egemma.ops.launcher')\n", "egemma.stub.x",
      {"importlib", "egemma.ops.launcher"}),
-    ("from ..ops import watchdog\n", "egemma.serving.x", {"egemma.ops", "egemma.ops.watchdog"}),
+    ("from ..ops import watchdog\n", "egemma.stub.x", {"egemma.ops", "egemma.ops.watchdog"}),
 ])
 def test_imports_are_read_at_any_depth(tmp_path, source, module, want):
     f = tmp_path / "m.py"

@@ -114,7 +114,7 @@ def test_initialize_builds_the_engine_where_triton_placed_it(encoder_model, rend
                                                               caplog):
     """KIND_CPU: the engine runs on the CPU, on a GPU host too; the log line names the device; the instance's
     heartbeat file is there, outside any execute."""
-    from egemma.serving.instance import HEARTBEAT_DIR, read_heartbeats
+    from egemma.stub.instance import HEARTBEAT_DIR, read_heartbeats
     monkeypatch.setenv(HEARTBEAT_DIR, str(tmp_path))
     m = encoder_model()
     with caplog.at_level(logging.INFO, logger="egemma"):
@@ -177,7 +177,7 @@ def test_served_instances_log_their_device_and_stamp_heartbeats(server):
     whose last execute has ended."""
     import tritonclient.grpc as grpcclient
     from egemma.ops.procfs import stub_pids
-    from egemma.serving.instance import read_heartbeats
+    from egemma.stub.instance import read_heartbeats
     grpcclient.InferenceServerClient(server.grpc_url).infer("embeddinggemma", [text_input(["placed"])])
     log = (server.run_dir / "tritonserver.log").read_text(errors="replace")
     assert "kind: KIND_MODEL" in (server.repo / ENCODER / "config.pbtxt").read_text()  # TritonServer's default

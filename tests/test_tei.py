@@ -147,7 +147,7 @@ def test_health_from_the_watchdog_verdict_and_triton_down(tmp_path):
     and every route that needs Triton answers its protocol's 503 at once."""
     from egemma.ops.front import Front
     from egemma.ops.tritonserver import free_port
-    from egemma.serving import health
+    from egemma.gateway import health
     port, verdict = free_port(), tmp_path / "health.json"
     dead = f"127.0.0.1:{free_port()}"
     url = f"http://127.0.0.1:{port}"

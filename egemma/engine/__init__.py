@@ -1,5 +1,5 @@
 """The engine: a checkpoint's config and weights, the packed varlen Gemma3 encoder, its CUDA graphs and the
-tokenizer. It imports nothing from egemma.serving or egemma.ops, so it runs and is tested without Triton."""
+tokenizer. It imports nothing from egemma.stub, egemma.gateway or egemma.ops, so it runs and is tested without Triton."""
 
 __all__ = ["Engine", "EngineConfig"]
 

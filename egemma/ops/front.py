@@ -1,4 +1,4 @@
-"""The gateway process (egemma.serving.gateway) as the launcher runs it: in its own process group (its workers
+"""The gateway process (egemma.gateway.app) as the launcher runs it: in its own process group (its workers
 with it), restarted when it dies, stopped after Triton has drained."""
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from egemma.ops.procfs import end_group, wait_up
 
 
 class Front:
-    """`python -m egemma.serving.gateway *args`, answering HTTP on url once start() returns."""
+    """`python -m egemma.gateway.app *args`, answering HTTP on url once start() returns."""
 
     def __init__(self, args: list[str], url: str, log=lambda msg: print(f"gateway: {msg}", file=sys.stderr,
                                                                        flush=True)):
@@ -23,10 +23,10 @@ class Front:
         self._next_try = 0.0
 
     def start(self, timeout: float = 60.0) -> "Front":
-        self.proc = subprocess.Popen([sys.executable, "-m", "egemma.serving.gateway", *self.args,
+        self.proc = subprocess.Popen([sys.executable, "-m", "egemma.gateway.app", *self.args,
                                       f"--exit-with-parent={os.getpid()}"], start_new_session=True)
         wait_up(self.proc, self.answers, timeout, f"the gateway on {self.url}",
-                f"python -m egemma.serving.gateway {' '.join(self.args)}", self.kill)
+                f"python -m egemma.gateway.app {' '.join(self.args)}", self.kill)
         return self
 
     def answers(self) -> bool:

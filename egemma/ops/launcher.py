@@ -20,7 +20,7 @@ a model stops answering, since Triton does not restart a crashed Python backend 
 ready.
 
 HTTP: the user-facing HTTP port (and --openai-port, a second port of the same process) is the gateway
-(egemma.serving.gateway), which checks every request and proxies KServe v2 to Triton's own HTTP on a loopback-only
+(egemma.gateway.app), which checks every request and proxies KServe v2 to Triton's own HTTP on a loopback-only
 port: one request can crash Triton 2.51's HTTP. The gateway is restarted when it dies and stopped after Triton
 drained. gRPC and metrics are Triton's own (its gRPC takes any size up to 2 GiB, so large batches go there)."""
 
@@ -37,7 +37,7 @@ from egemma.ops.host import parse_gpus, visible_gpus
 from egemma.ops.repository import ROOT, resolve_checkpoint
 from egemma.ops.front import Front
 from egemma.ops.tritonserver import ADMIN_APIS, ADMIN_HEADER, TritonServer, free_port
-from egemma.serving.gateway import DEFAULT_MAX_BODY
+from egemma.gateway.app import DEFAULT_MAX_BODY
 
 
 def main(argv=None):
@@ -103,7 +103,7 @@ def main(argv=None):
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())
     a.run_dir.mkdir(parents=True, exist_ok=True)
-    health_file = a.run_dir / "health.json"  # the watchdog's verdict (egemma.serving.health) for the gateway
+    health_file = a.run_dir / "health.json"  # the watchdog's verdict (egemma.gateway.health) for the gateway
     print(f"starting tritonserver for {ckpt} ...", flush=True)
     if a.watchdog:
         from egemma.ops.watchdog import Watchdog

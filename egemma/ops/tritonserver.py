@@ -20,7 +20,7 @@ from egemma.engine.tokenizer import resolved_tokenizer_json
 from egemma.ops.host import tokenizer_instances
 from egemma.ops.procfs import wait_up
 from egemma.ops.repository import REPO, render_repository
-from egemma.serving.instance import HEARTBEAT_DIR
+from egemma.stub.instance import HEARTBEAT_DIR
 
 # Admin-only APIs: with them a client could read the repository layout, map shared memory, or redirect traces
 # and logs to files. Inference, health, metadata, config and statistics stay open.
@@ -89,7 +89,7 @@ class TritonServer:
         KIND_MODEL as in the repository (cuda:0, or the CPU).
         stub_bin: the bin directory of the Python environment the stubs run (default $TRITON_STUB_PATH, else
         this interpreter's). http_host: the address of Triton's own HTTP (default host; the launcher keeps it on
-        loopback behind egemma.serving.gateway, since one request can crash it)."""
+        loopback behind egemma.gateway.app, since one request can crash it)."""
         self.host, self.http_port, self.grpc_port, self.metrics_port = host, http_port, grpc_port, metrics_port
         self.http_host = http_host or host
         # No key given: a random one, so the admin APIs are never open by accident.
@@ -106,7 +106,7 @@ class TritonServer:
             instances = {**defaults, **(instances or {})}
         self.repo = render_repository(self.run_dir / "model_repository", checkpoint, params, repository,
                                       optional=("tokenizer_json",), instances=instances, gpus=gpus)
-        # Every model instance stamps its executes here (egemma.serving.instance); the watchdog reads them.
+        # Every model instance stamps its executes here (egemma.stub.instance); the watchdog reads them.
         self.heartbeat_dir = self.run_dir / "heartbeat"
         shutil.rmtree(self.heartbeat_dir, ignore_errors=True)
         self.heartbeat_dir.mkdir()

@@ -7,7 +7,7 @@ is exercised). It restarts the server:
 - at once if the server exited, a stub died, or a stub is stopped (SIGSTOP; with several instances of a model
   the canary would mostly be answered by the others, while the requests given to the stopped one wait);
 - at once if one model instance has been in one execute for `hang_after` seconds while its stub used no CPU
-  (each instance stamps its executes' start, end and tokens, egemma.serving.instance): hung, even while the other
+  (each instance stamps its executes' start, end and tokens, egemma.stub.instance): hung, even while the other
   instances answer the canary; and if one instance has been in one execute for over `max_busy` seconds, times
   its tokens / TOKENS_PER_MAX_BUSY where more (the encoder's 256-row batches of 2048 tokens take ~100 s on two
   cores), while busy: spinning;
@@ -17,7 +17,7 @@ is exercised). It restarts the server:
   all models' success counts) for more than `max_busy` seconds: a model is spinning. While requests
   complete, or for less long, a timed-out canary is excused (a 64 x 2048-token batch takes ~25 s on two cores);
 - after `failures` other canary failures (an error, a refused connection) in a row.
-After every check the verdict (serving or why not) goes to `health_file` (egemma.serving.health), which the
+After every check the verdict (serving or why not) goes to `health_file` (egemma.gateway.health), which the
 gateway's liveness route answers from: a watchdog that stops checking leaves a verdict that ages, and a restart
 writes "restarting" first, so liveness fails only when restarts keep failing or the watchdog itself is stuck.
 Restarting kills the server's process group (a graceful stop would wait out --exit-timeout-secs on the dead model)
@@ -36,8 +36,8 @@ import urllib.request
 from typing import Callable
 
 from egemma.ops.procfs import cpu_seconds, end_group, stopped, stub_pids
-from egemma.serving import health
-from egemma.serving.instance import read_heartbeats
+from egemma.gateway import health
+from egemma.stub.instance import read_heartbeats
 
 TIMED_OUT = "canary timed out"
 IDLE_CPU = 0.05  # of a core: a stub in execute using less is blocked (Python waiting on nothing uses ~0)

@@ -9,10 +9,10 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from egemma.engine import Engine, EngineConfig
-from egemma.serving.instance import Heartbeat, instance_device
-from egemma.serving.metrics import Counters
-from egemma.serving.options import OptionError, RequestOptions, allowed_dimensions, check_dimensions, shape_output
-from egemma.serving.triton import Adapter, setup_logging, triton_params
+from egemma.stub.instance import Heartbeat, instance_device
+from egemma.stub.metrics import Counters
+from egemma.stub.options import OptionError, RequestOptions, allowed_dimensions, check_dimensions, shape_output
+from egemma.stub.adapter import Adapter, setup_logging, triton_params
 
 
 class TritonPythonModel:
@@ -66,7 +66,7 @@ class TritonPythonModel:
                 if rows and (why := self.engine.check(np.concatenate(rows), max(len(r) for r in rows)))}
 
     def execute(self, requests):
-        with self.beat:  # start/end stamps: the watchdog sees a hung or spinning instance (egemma.serving.instance)
+        with self.beat:  # start/end stamps: the watchdog sees a hung or spinning instance (egemma.stub.instance)
             return self._execute(requests)
 
     def _execute(self, requests):

@@ -9,10 +9,10 @@ import triton_python_backend_utils as pb_utils
 
 from egemma.engine.config import ModelConfig
 from egemma.engine.tokenizer import TextTokenizer
-from egemma.serving.instance import Heartbeat
-from egemma.serving.metrics import Counters
-from egemma.serving.options import OptionError, RequestOptions
-from egemma.serving.triton import Adapter, setup_logging, triton_params
+from egemma.stub.instance import Heartbeat
+from egemma.stub.metrics import Counters
+from egemma.stub.options import OptionError, RequestOptions
+from egemma.stub.adapter import Adapter, setup_logging, triton_params
 
 
 class TritonPythonModel:
@@ -87,7 +87,7 @@ class TritonPythonModel:
         return self.a.outputs({"INPUT_IDS": ids, "SEQ_LEN": lens[:, None]})
 
     def execute(self, requests):
-        with self.beat:  # start/end stamps: the watchdog sees a hung or spinning instance (egemma.serving.instance)
+        with self.beat:  # start/end stamps: the watchdog sees a hung or spinning instance (egemma.stub.instance)
             return self._execute(requests)
 
     def _execute(self, requests):

@@ -3,7 +3,7 @@ import torch
 import triton_python_backend_utils as pb_utils
 from sentence_transformers import SentenceTransformer
 
-from egemma.serving.triton import triton_params
+from egemma.stub.adapter import triton_params
 
 
 class TritonPythonModel:

@@ -1,12 +1,12 @@
 """TEXT -> a fixed unit EMBEDDING, except that "spin" loops on the CPU forever ("spin:N" after saying its execute
 embeds N tokens, as a large batch would) and "hang" sleeps forever. Stamps the execute heartbeat as the real
-models do (egemma.serving.instance), so the watchdog sees which instance is stuck."""
+models do (egemma.stub.instance), so the watchdog sees which instance is stuck."""
 import threading
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from egemma.serving.instance import Heartbeat
+from egemma.stub.instance import Heartbeat
 
 
 class TritonPythonModel:

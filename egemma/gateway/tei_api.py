@@ -23,10 +23,10 @@ from importlib import metadata
 import numpy as np
 from aiohttp import web
 
-from egemma.serving import calls
-from egemma.serving.gateway import verdict
-from egemma.serving.openai_api import json_response, read_json
-from egemma.serving.upstream import Upstream
+from egemma.gateway import calls
+from egemma.gateway.app import verdict
+from egemma.gateway.openai_api import json_response, read_json
+from egemma.gateway.upstream import Upstream
 
 # TEI's ErrorType -> status (router/src/http/server.rs); "invalid" backend errors are the request's fault
 STATUS = {"Unhealthy": 503, "Backend": 424, "Overloaded": 429, "Tokenizer": 422, "Validation": 422, "Empty": 400}

@@ -1,9 +1,9 @@
 """The server's HTTP front: one asyncio process on the user-facing HTTP port(s) that proxies the KServe v2 routes to
 Triton's own HTTP on a loopback port, every request bounded before it reaches Triton, and serves the OpenAI and TEI
-routes (egemma.serving.openai_api, egemma.serving.tei_api) over one shared aio gRPC client. Plain KServe requests
-take the fast lane (egemma.serving.fastlane); the rest, and every route below, aiohttp.
+routes (egemma.gateway.openai_api, egemma.gateway.tei_api) over one shared aio gRPC client. Plain KServe requests
+take the fast lane (egemma.gateway.fastlane); the rest, and every route below, aiohttp.
 
-  python -m egemma.serving.gateway --port 8000 [--port 8080 ...] --triton-http 127.0.0.1:P --triton-grpc 127.0.0.1:Q
+  python -m egemma.gateway.app --port 8000 [--port 8080 ...] --triton-http 127.0.0.1:P --triton-grpc 127.0.0.1:Q
       [--host 127.0.0.1] [--max-request-bytes 3145728] [--workers 1] [--model-name google/embeddinggemma-300m]
       [--alias NAME ...] [--health-file PATH] [--triton-metrics 127.0.0.1:R] [--max-connections 1024]
       [--idle-timeout 60] [--body-timeout 60]
@@ -23,7 +23,7 @@ within --idle-timeout (also mid-headers) is closed, as is one whose body is not 
 over --max-connections per worker a new one gets a 503. Everything else, in both directions, passes unchanged
 (Content-Type, Inference-Header-Content-Length, admin-key, Accept-Encoding; Triton enforces the admin key), so
 tritonclient.http (JSON and binary tensors), curl and perf_analyzer work as against Triton itself.
-/v2/health/live is the watchdog's verdict (egemma.serving.health) when --health-file is given (Triton's own stays
+/v2/health/live is the watchdog's verdict (egemma.gateway.health) when --health-file is given (Triton's own stays
 200 after a model process died); /v2/health/ready needs that verdict and Triton's ready. --workers K runs K
 processes on the same sockets (one process group; SIGTERM drains each).
 
@@ -44,11 +44,11 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from egemma.serving import health
-from egemma.serving.aioserver import event_loop_runner, exit_with_parent, listen, serve
-from egemma.serving.fastlane import Lanes
-from egemma.serving.guard import Rejected, check_kserve, content_length, error, failure, read_body, too_large
-from egemma.serving.upstream import Upstream, UpstreamError
+from egemma.gateway import health
+from egemma.gateway.aioserver import event_loop_runner, exit_with_parent, listen, serve
+from egemma.gateway.fastlane import Lanes
+from egemma.gateway.guard import Rejected, check_kserve, content_length, error, failure, read_body, too_large
+from egemma.gateway.upstream import Upstream, UpstreamError
 
 DEFAULT_MAX_BODY = 3 << 20  # under the 4 MiB at which Triton 2.51's HTTP crashes on the GPU host
 HEALTH_MAX_AGE = 15.0  # s: the watchdog writes a verdict every ~2-7 s; an older one vouches for nothing
@@ -159,8 +159,8 @@ def make_app(gw: Gateway) -> web.Application:
     app.router.add_get("/v2/health/ready", ready)
     app.router.add_route("*", r"/v2{tail:(/.*)?}", proxy, expect_handler=_expect)
     for name in ("openai_api", "tei_api"):
-        if importlib.util.find_spec(f"egemma.serving.{name}"):
-            importlib.import_module(f"egemma.serving.{name}").add_routes(app)
+        if importlib.util.find_spec(f"egemma.gateway.{name}"):
+            importlib.import_module(f"egemma.gateway.{name}").add_routes(app)
     return app
 
 
@@ -174,7 +174,7 @@ def main(argv=None):
     ap.add_argument("--workers", type=int, default=1, help="processes serving the same sockets")
     ap.add_argument("--model-name", default="google/embeddinggemma-300m", help="served name for OpenAI / TEI")
     ap.add_argument("--alias", action="append", default=[], help="another accepted model name (repeatable)")
-    ap.add_argument("--health-file", help="the watchdog's verdict file (egemma.serving.health)")
+    ap.add_argument("--health-file", help="the watchdog's verdict file (egemma.gateway.health)")
     ap.add_argument("--triton-metrics", help="host:port of Triton's metrics, passed through at GET /metrics")
     ap.add_argument("--max-connections", type=int, default=1024, help="open connections per worker")
     ap.add_argument("--idle-timeout", type=float, default=60.0,

@@ -32,7 +32,7 @@ async def serve(app: web.Application, socks: list[socket.socket], max_connection
                 workers=(), lanes=None):
     """Serve app on listening sockets until SIGTERM / SIGINT, then drain (in-flight requests finish).
     workers: pids of sibling processes this one started; when one dies, all stop (the launcher restarts them).
-    lanes: an egemma.serving.fastlane.Lanes that takes every connection first (handing it to app when it must)."""
+    lanes: an egemma.gateway.fastlane.Lanes that takes every connection first (handing it to app when it must)."""
     loop = asyncio.get_running_loop()
     stop, failed = asyncio.Event(), []
     for sig in (signal.SIGTERM, signal.SIGINT):

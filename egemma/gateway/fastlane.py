@@ -5,7 +5,7 @@ and CPU per proxied query: perf/RESULTS.md run 31). Every connection starts here
 compressed, Expect, percent-escapes, over-long or odd headers, the health routes, the OpenAI / TEI routes, another
 method or version) the connection is handed, with every byte it has sent, to aiohttp's handler for good, which
 answers it as before. So the lane never has to reject malformed HTTP itself: it only passes what it understands.
-The same guards (egemma.serving.guard) stand before Triton on both paths, and the same idle and body deadlines."""
+The same guards (egemma.gateway.guard) stand before Triton on both paths, and the same idle and body deadlines."""
 from __future__ import annotations
 
 import asyncio
@@ -14,7 +14,7 @@ import logging
 import re
 import socket
 
-from egemma.serving.guard import Rejected, check_kserve, error_body, failure
+from egemma.gateway.guard import Rejected, check_kserve, error_body, failure
 
 _HEAD_LIMIT = 8192  # longer heads go to aiohttp, which passes Triton only the headers it uses (the lane: all)
 _REQUEST_LINE = re.compile(rb"(GET|POST) (/v2(?:[/?][!-$&-~]{0,8000})?) HTTP/1\.1\r\n")  # '%' goes to aiohttp

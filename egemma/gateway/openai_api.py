@@ -20,8 +20,8 @@ import numpy as np
 import orjson
 from aiohttp import web
 
-from egemma.serving import calls
-from egemma.serving.guard import Rejected, read_body
+from egemma.gateway import calls
+from egemma.gateway.guard import Rejected, read_body
 
 FIELDS = {"input", "model", "dimensions", "encoding_format", "user", "prompt_name", "prompt", "truncate"}
 _CREATED = int(time.time())

@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 from egemma.engine.config import CheckpointError
 from egemma.engine.tokenizer import PromptError
-from egemma.serving.options import OptionError
+from egemma.stub.options import OptionError
 
 log = logging.getLogger("egemma")
 CLIENT_ERRORS = (OptionError, PromptError)  # the request is at fault: INVALID_ARG with the message

@@ -12,7 +12,7 @@ import re
 import numpy as np
 from aiohttp import web
 
-from egemma.serving.upstream import UpstreamError
+from egemma.gateway.upstream import UpstreamError
 
 MAX_JSON_DEPTH = 100  # what Triton adopted upstream (#8172); a KServe request needs ~10
 

@@ -11,7 +11,7 @@ import tritonclient.grpc as grpcclient
 from aiohttp import web
 from tritonclient.utils import InferenceServerException
 
-from egemma.serving.triton import triton_params
+from egemma.stub.adapter import triton_params
 
 ENSEMBLE, ENCODER, TOKENIZER = "embeddinggemma", "embeddinggemma_encoder", "embeddinggemma_tokenizer"
 MAX_INPUTS = 2048  # inputs per HTTP request (OpenAI's own limit); the gateway splits them into calls of max_batch

@@ -1,0 +1,28 @@
+"""The cache directory of one deployment (`--cache-dir`, default ~/.cache/egemma), shared by every model instance,
+every restart and the launcher: the tuning file (egemma.kernels.select), Triton-lang's compiled kernels, the
+weights in the dtype served. The launcher exports it as $EGEMMA_CACHE_DIR to every process it starts."""
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+ENV = "EGEMMA_CACHE_DIR"
+
+
+def cache_dir() -> Path:
+    """$EGEMMA_CACHE_DIR, else $XDG_CACHE_HOME/egemma, else ~/.cache/egemma."""
+    if os.environ.get(ENV):
+        return Path(os.environ[ENV]).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "egemma"
+
+
+def unwritable(d: Path) -> str | None:
+    """Why files cannot be written under d (made if missing), or None: read-only, full, not a directory."""
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=d, prefix=".probe-"):
+            pass
+    except OSError as e:
+        return f"{d}: {e.strerror or e}"
+    return None
