@@ -56,13 +56,15 @@ def mlp_up(x, residual, w_post, w_gate_up, eps):
 
 def mean_pool(x, cu_seqlens, n):
     """Mean of each sequence's rows, fp32 [n, D]: sequence i is rows cu_seqlens[i]:cu_seqlens[i + 1] of x [T, D]
-    (an empty one gives 0; rows outside the n sequences may hold anything, even NaN). The segment sum is a matmul
-    with the one-hot row -> sequence matrix: deterministic, unlike index_add's atomics."""
-    cu = cu_seqlens[:n + 1].long()
-    rows = torch.arange(x.shape[0], device=x.device)
-    onehot = (rows[None, :] >= cu[:-1, None]) & (rows[None, :] < cu[1:, None])  # [n, T]
-    xf = torch.where(onehot.any(0)[:, None], x.float(), 0.0)
-    return (onehot.float() @ xf) / (cu[1:] - cu[:-1]).clamp(min=1)[:, None].float()
+    (an empty one gives 0; rows outside the n sequences may hold anything, even NaN). One reduction a sequence over
+    its own rows: its bits do not depend on where it sits in the batch or what else is there (a one-hot matmul's
+    did, through the GEMM's blocking over T)."""
+    cu = cu_seqlens[:n + 1].tolist()
+    out = torch.zeros((n, x.shape[1]), dtype=torch.float32, device=x.device)
+    for i, (a, b) in enumerate(zip(cu[:-1], cu[1:])):
+        if b > a:
+            out[i] = x[a:b].float().mean(0)
+    return out
 
 
 def rope_table(base, head_dim, max_pos, device):

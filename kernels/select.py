@@ -1,10 +1,10 @@
-"""Backend choice, made once at load by timing and logged: all autotuning lives here, with one timer. Elementwise
-ops: sgl-kernel / Triton-lang / torch-native, the fastest per op. The MLP's first half (mlp_up: the norms around the
-residual add, the gate_up GEMM, gelu_and_mul): norm_add_norm + cuBLAS + gelu_and_mul, or a norm that only computes
-each row's scale + one fused GEMM (kernels.fused_gemm) in one of its tiles, the fastest per token bucket. Attention: FA3
-(flash_attn_interface) / torch's built-in FA2 / native SDPA, the fastest per CUDA graph and layer type. Every choice
-computes the same function as `kernels.native` up to bf16 rounding; asking for a backend that is not installed is an
-error, never a silent fallback."""
+"""The backends the engine chooses from, and the timer it chooses with (the choices themselves are made once, in
+egemma.kernels.tuning). Elementwise ops: sgl-kernel / Triton-lang / torch-native. The MLP's first half (mlp_up: the
+norms around the residual add, the gate_up GEMM, gelu_and_mul): norm_add_norm + cuBLAS + gelu_and_mul, or a norm that
+only computes each row's scale + one fused GEMM (kernels.fused_gemm) in one of its tiles. Attention: FA3
+(flash_attn_interface) / torch's built-in FA2 / native SDPA. Every backend computes the same function as
+`kernels.native` up to bf16 rounding; asking for a backend that is not installed is an error, never a silent
+fallback."""
 from __future__ import annotations
 
 import bisect
@@ -12,6 +12,7 @@ import importlib.util
 import logging
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable
 
 import torch
@@ -118,87 +119,75 @@ def _unfused(norm_add_norm: Callable, gelu: Callable, unit: torch.Tensor) -> Cal
     return lambda x, residual, w_post, w, eps: gelu(norm_add_norm(x, residual, w_post, unit, eps) @ w.T)
 
 
-def _fused(tile) -> Callable:
+def _fused(tile, norm_add_rstd: Callable) -> Callable:
     """mlp_up as a norm that writes only each row's scale, and the GEMM that applies it in its gelu epilogue: the
     normalised [T, D] activations are never written."""
-    from egemma.kernels import fused_gemm, triton_ops
+    from egemma.kernels import fused_gemm
 
     def mlp_up(x, residual, w_post, w, eps):
-        return fused_gemm.gate_up_gelu(residual, w, tile, triton_ops.norm_add_rstd(x, residual, w_post, eps))
+        return fused_gemm.gate_up_gelu(residual, w, tile, norm_add_rstd(x, residual, w_post, eps))
     return mlp_up
 
 
-def pick_mlp_up(unfused: Callable, device, dtype, hidden: int, intermediate: int, buckets: list[int],
-                layers: int = 24) -> tuple[Callable, str]:
-    """mlp_up: per token bucket the fastest of `unfused` (norm_add_norm + cuBLAS + gelu) and the fused kernel's tiles
-    (bf16 on Hopper, with rows TMA can load: 16-byte aligned; elsewhere, and in fp32, where Triton's dot would round
-    to tf32, unfused), each timed over `layers` different weights (time_layers). A batch takes the choice of the
-    smallest bucket that holds it. Returns it and a summary for the log."""
-    if not buckets or dtype != torch.bfloat16 or device.type != "cuda" or not _have("triton"):
-        return unfused, UNFUSED
-    from triton.runtime.errors import OutOfResources
-
+def mlp_up_candidates(device, dtype, hidden: int, intermediate: int) -> list[str]:
+    """mlp_up's paths here: UNFUSED, and the fused kernel's tiles (bf16 on Hopper, with rows TMA can load: 16-byte
+    aligned; in fp32 Triton's dot would round to tf32)."""
+    if dtype != torch.bfloat16 or device.type != "cuda" or not _have("triton"):
+        return [UNFUSED]
     from egemma.kernels import fused_gemm
     if not (fused_gemm.supported(device) and fused_gemm.aligned(hidden, intermediate, dtype)):
-        return unfused, UNFUSED
-    ws = [torch.randn(2 * intermediate, hidden, device=device, dtype=dtype) / hidden ** 0.5 for _ in range(layers)]
-    w_post = torch.randn(hidden, device=device, dtype=dtype) * 0.1
-    cands = {UNFUSED: unfused, **{str(t): _fused(t) for t in fused_gemm.TILES}}
-    names = []
-    for t in buckets:
-        x = torch.randn(t, hidden, device=device, dtype=dtype)
-        residual = torch.randn(t, hidden, device=device, dtype=dtype) * 10
-        times = {}
-        for name, f in list(cands.items()):
-            try:  # each output freed before the next: one graph pool's worth, not 24
-                times[name] = time_layers(lambda i, f=f: f(x, residual, w_post, ws[i], 1e-6), layers)
-            except OutOfResources as e:  # a tile too large for this GPU's shared memory: not a candidate here
-                log.info("egemma: mlp_up tile %s does not fit %s: %s", name, device, e)
-                del cands[name]
-        names.append(min(times, key=times.get))
-    del ws
-    fns = [cands[n] for n in names]
-
-    def mlp_up(x, residual, w_post, w, eps):
-        return fns[min(bisect.bisect_left(buckets, x.shape[0]), len(buckets) - 1)](x, residual, w_post, w, eps)
-    runs = [(buckets[i], names[i]) for i in range(len(names)) if i == 0 or names[i] != names[i - 1]]
-    return mlp_up, ", ".join(f"{n} from {b}" for b, n in runs)
+        return [UNFUSED]
+    return [UNFUSED] + [str(t) for t in fused_gemm.TILES]
 
 
-def make_ops(backend: str, device: torch.device, dtype=torch.bfloat16, hidden=768, intermediate=1152,
-             tokens=16384, buckets: list[int] | None = None, layers: int = 24) -> Ops:
-    """backend: one of NORM_BACKENDS for every elementwise op (sgl-kernel: its norms, with Triton-lang's
-    gelu_tanh_and_mul), or 'auto': on CUDA each op takes the fastest available backend, timed here on [tokens,
-    hidden] data. mlp_up: with 'auto' and buckets, timed per bucket over `layers` weights (pick_mlp_up); otherwise
-    the chosen norm_add_norm + cuBLAS + the chosen gelu_tanh_and_mul. hidden and intermediate are the model's
-    (mlp_up's unit norm weight has the hidden width)."""
-    have = available_norm_backends(device)
-    if backend != "auto" and backend not in have:
-        raise RuntimeError(f"norm backend {backend!r} is not available on {device} (available: {have})")
-    unit = torch.zeros(hidden, device=device, dtype=dtype)  # a norm weight w with (1 + w) = 1
+def build_ops(norms: dict[str, str], mlp_up: list[str], device: torch.device, dtype=torch.bfloat16, hidden=768,
+              buckets: list[int] | None = None, invariant: bool = False) -> Ops:
+    """Ops from named choices (egemma.kernels.tuning makes them): norms {"norm_add_norm": backend,
+    "gelu_tanh_and_mul": backend}; mlp_up a path per token bucket (UNFUSED or a fused tile's name; a batch takes
+    the smallest bucket that holds it), or one path for all. invariant: Triton-lang's row kernels with one launch
+    shape whatever the batch, so a row's bits never depend on the batch it is in."""
+    cands = {b: _backend_ops(b) for b in set(norms.values())}
+    chosen = {op: cands[b][op] for op, b in norms.items()}
     own = native  # no library has these: Triton-lang's on CUDA
     if device.type == "cuda" and _have("triton"):
         from egemma.kernels import triton_ops as own
     fused = {op: getattr(own, op) for op in ("embed", "norm_add_rstd", "qk_norm_rope", "mean_pool")}
-    if backend != "auto" or len(have) == 1:
-        name = have[0] if backend == "auto" else backend
-        ops = {**_backend_ops("triton"), **_backend_ops(name)} if name == "sgl-kernel" else _backend_ops(name)
-        return Ops(name, **fused, **ops, mlp_up=_unfused(ops["norm_add_norm"], ops["gelu_tanh_and_mul"], unit))
-    x = torch.randn(tokens, hidden, device=device, dtype=dtype)
-    h = torch.randn(tokens, hidden, device=device, dtype=dtype)
-    w = torch.randn(hidden, device=device, dtype=dtype)
-    gu = torch.randn(tokens, 2 * intermediate, device=device, dtype=dtype)
-    args = {"norm_add_norm": (x, h, w, w, 1e-6), "gelu_tanh_and_mul": (gu,)}
-    cands = {b: _backend_ops(b) for b in have}
-    chosen, names = {}, []
-    for op, a in args.items():
-        times = {b: time_ms(cands[b][op], *a) for b in have if op in cands[b]}
-        best = min(times, key=times.get)
-        chosen[op] = cands[best][op]
-        names.append(f"{op}={best}")
-    mlp_up, how = pick_mlp_up(_unfused(chosen["norm_add_norm"], chosen["gelu_tanh_and_mul"], unit), device, dtype,
-                              hidden, intermediate, buckets or [], layers)
-    return Ops(",".join(names) + f",mlp_up=[{how}]", **fused, **chosen, mlp_up=mlp_up)
+    if invariant and own is not native:
+        rows = own.INVARIANT_ROW_WARPS
+        fused = dict(embed=partial(own.embed, warps=rows), norm_add_rstd=partial(own.norm_add_rstd, warps=rows),
+                     qk_norm_rope=partial(own.qk_norm_rope, warps=own.INVARIANT_QK_WARPS),
+                     mean_pool=partial(own.mean_pool, tile=own.INVARIANT_POOL_TILE))
+        if norms["norm_add_norm"] == "triton":
+            chosen["norm_add_norm"] = partial(own.norm_add_norm, warps=rows)
+    unit = torch.zeros(hidden, device=device, dtype=dtype)  # a norm weight w with (1 + w) = 1
+    if set(mlp_up) - {UNFUSED}:
+        from egemma.kernels import fused_gemm
+        tiles = {str(t): t for t in fused_gemm.TILES}
+    fns = [_unfused(chosen["norm_add_norm"], chosen["gelu_tanh_and_mul"], unit) if n == UNFUSED
+           else _fused(tiles[n], fused["norm_add_rstd"]) for n in mlp_up]
+    if len(set(mlp_up)) == 1:
+        mlp = fns[0]
+    else:
+        bs = buckets or []
+
+        def mlp(x, residual, w_post, w, eps):
+            return fns[min(bisect.bisect_left(bs, x.shape[0]), len(bs) - 1)](x, residual, w_post, w, eps)
+    runs = [(i, n) for i, n in enumerate(mlp_up) if i == 0 or n != mlp_up[i - 1]]
+    how = ", ".join(f"{n} from {buckets[i]}" if buckets and len(runs) > 1 else n for i, n in runs)
+    name = ",".join(f"{op}={b}" for op, b in norms.items()) + f",mlp_up=[{how}]"
+    return Ops(name, **fused, **chosen, mlp_up=mlp)
+
+
+def make_ops(backend: str, device: torch.device, dtype=torch.bfloat16, hidden=768, invariant: bool = False) -> Ops:
+    """Ops with one backend (one of NORM_BACKENDS) for every elementwise op (sgl-kernel: its norms, with Triton-lang's
+    gelu_tanh_and_mul) and mlp_up unfused: for tests and benchmarks; the engine's own choice is timed
+    (egemma.kernels.tuning)."""
+    have = available_norm_backends(device)
+    if backend not in have:
+        raise RuntimeError(f"norm backend {backend!r} is not available on {device} (available: {have})")
+    gelu = "triton" if backend == "sgl-kernel" else backend
+    return build_ops({"norm_add_norm": backend, "gelu_tanh_and_mul": gelu}, [UNFUSED], device, dtype, hidden,
+                     invariant=invariant)
 
 
 def attention_fn(backend: str) -> Callable:
@@ -223,12 +212,3 @@ def attention_fn(backend: str) -> Callable:
                 window_size_left=w, window_size_right=w)[0]
         return fa2
     raise ValueError(f"unknown attention backend {backend!r} (choose from {ATTENTION_BACKENDS})")
-
-
-def pick_attention(cands: list[str], q, k, v, cu_seqlens, max_seqlen: int, window: int, scale: float) -> str:
-    """The fastest of the candidate backends on these inputs. Time them on q / k / v exactly as the forward
-    makes them (by qk_norm_rope from the qkv GEMM's output): on other layouts the ranking came out differently."""
-    if len(cands) == 1:
-        return cands[0]
-    times = {name: time_ms(attention_fn(name), q, k, v, cu_seqlens, max_seqlen, window, scale) for name in cands}
-    return min(times, key=times.get)

@@ -28,30 +28,35 @@ def _norm_add_kernel(x_ptr, res_ptr, w_post_ptr, w_ptr, out_ptr, D, eps, sx, sr,
         tl.store(out_ptr + row * so + cols, (x * r * (1.0 + w)).to(out_ptr.dtype.element_ty), mask=m)
 
 
-def _row_warps(T: int) -> int:
-    # 2 warps a row on large batches (more rows resident): 16k tokens 27.5 against 28.7 us with the default 4
-    # (perf/RESULTS.md runs 57-58)
-    return 2 if T >= 4096 else 4
+# The row kernels' launch shapes. Each row's reduction order follows the warp count, so a batch-invariant engine
+# (egemma.kernels.tuning) launches them with one shape whatever the batch: INVARIANT_* (the large-batch choices).
+INVARIANT_ROW_WARPS, INVARIANT_QK_WARPS, INVARIANT_POOL_TILE = 2, 1, (128, 32, 4)
 
 
-def _norm_add(x, res, w_post, w, out, eps, rstd_only):
+def _row_warps(T: int, warps: int) -> int:
+    # 2 warps a row on large batches (more rows resident): faster from 4096 tokens (perf/RESULTS.md runs 57-58)
+    return warps or (2 if T >= 4096 else 4)
+
+
+def _norm_add(x, res, w_post, w, out, eps, rstd_only, warps):
     if x.shape[0]:
         _norm_add_kernel[(x.shape[0],)](x, res, w_post, w, out, x.shape[1], eps, x.stride(0), res.stride(0),
                                         out.stride(0), RSTD=rstd_only, BLOCK=triton.next_power_of_2(x.shape[1]),
-                                        num_warps=_row_warps(x.shape[0]))
+                                        num_warps=_row_warps(x.shape[0], warps))
     return out
 
 
-def norm_add_norm(x, residual, w_post, w_pre, eps):
-    """x = rmsnorm(x, w_post); residual += x; returns rmsnorm(residual, w_pre), written over x: one pass."""
-    return _norm_add(x, residual, w_post, w_pre, x, eps, False)
+def norm_add_norm(x, residual, w_post, w_pre, eps, *, warps=0):
+    """x = rmsnorm(x, w_post); residual += x; returns rmsnorm(residual, w_pre), written over x: one pass. warps: a
+    launch shape fixed whatever the batch (0: by its size)."""
+    return _norm_add(x, residual, w_post, w_pre, x, eps, False, warps)
 
 
-def norm_add_rstd(x, residual, w_post, eps):
+def norm_add_rstd(x, residual, w_post, eps, *, warps=0):
     """As norm_add_norm, but returns only the residual's rsqrt(mean(residual^2) + eps) per row, fp32 [T]: for a GEMM
     whose rows take it later, with the norm's (1 + w) folded into its weight (egemma.engine.weights.FOLDED)."""
     return _norm_add(x, residual, w_post, w_post, torch.empty(x.shape[0], dtype=torch.float32, device=x.device),
-                     eps, True)
+                     eps, True, warps)
 
 
 @triton.jit
@@ -67,14 +72,15 @@ def _embed_kernel(ids_ptr, table_ptr, out_ptr, rstd_ptr, D, scale, eps, BLOCK: t
     tl.store(rstd_ptr + t, tl.rsqrt(tl.sum(x * x, 0) / D + eps))
 
 
-def embed(ids, table, scale, eps):
-    """As native.embed: rows of table [V, D] (contiguous) x scale -> ([T, D], fp32 rsqrt(mean(row^2) + eps) [T])."""
+def embed(ids, table, scale, eps, *, warps=0):
+    """As native.embed: rows of table [V, D] (contiguous) x scale -> ([T, D], fp32 rsqrt(mean(row^2) + eps) [T]).
+    warps: as norm_add_norm's."""
     T, D = ids.shape[0], table.shape[1]
     out = torch.empty((T, D), dtype=table.dtype, device=table.device)
     rstd = torch.empty(T, dtype=torch.float32, device=table.device)
     if T:
         _embed_kernel[(T,)](ids, table, out, rstd, D, float(scale), eps, BLOCK=triton.next_power_of_2(D),
-                            num_warps=_row_warps(T))
+                            num_warps=_row_warps(T, warps))
     return out, rstd
 
 
@@ -124,13 +130,13 @@ def _mean_pool_kernel(x_ptr, cu_ptr, out_ptr, D, sx, BLOCK_R: tl.constexpr, BLOC
 
 
 def mean_pool(x, cu_seqlens, n, *, tile=None):
-    """As native.mean_pool, reading only the sequences' own rows (the reference's one-hot matmul reads every slot
-    of a graph): one program per sequence and column block, stepping down its rows. tile: (rows a step, columns,
-    warps), an override for perf/bench_norms.py."""
+    """As native.mean_pool in one launch: one program per sequence and column block, stepping down its own rows.
+    tile: (rows a step, columns, warps), fixed whatever the batch (a batch-invariant engine; perf/bench_norms.py),
+    else by the batch's size."""
     out = torch.empty((n, x.shape[1]), dtype=torch.float32, device=x.device)
     if n:
-        # from 4096 tokens 32 columns a program (more programs) and 128 rows a step: 30 against 41 us for 8 x 2048;
-        # below, 64 x 64: 10.7 against 12.8 for 8 x 128 (perf/RESULTS.md runs 78-79)
+        # from 4096 tokens 32 columns a program (more programs) and 128 rows a step, below 64 x 64: each faster at its
+        # sizes (perf/RESULTS.md runs 78-79)
         br, bd, warps = tile or ((128, 32, 4) if x.shape[0] >= 4096 else (64, 64, 4))
         _mean_pool_kernel[(n, triton.cdiv(x.shape[1], bd))](x, cu_seqlens, out, x.shape[1], x.stride(0),
                                                              BLOCK_R=br, BLOCK_D=bd, num_warps=warps)
@@ -176,7 +182,7 @@ def _qk_norm_rope_kernel(qkv_ptr, pos_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, rst
 def qk_norm_rope(qkv, pos, q_w, k_w, cos, sin, heads, kv_heads, eps, rstd, *, warps=0):
     """As native.qk_norm_rope, in one pass over the qkv GEMM output: q/k RMSNorm per head then RoPE from the cos/sin
     tables, v scaled by rstd. qkv [T, (H + 2 Hkv) * Dh] -> q [T, H, Dh], k [T, Hkv, Dh], v [T, Hkv, Dh], all new.
-    warps: a launch override for perf/bench_norms.py."""
+    warps: a launch shape fixed whatever the batch (a batch-invariant engine; perf/bench_norms.py), else by its size."""
     T = qkv.shape[0]
     dh = q_w.shape[0]
     if not (rstd.shape == (T,) and rstd.dtype == torch.float32 and rstd.is_contiguous()):
@@ -185,8 +191,8 @@ def qk_norm_rope(qkv, pos, q_w, k_w, cos, sin, heads, kv_heads, eps, rstd, *, wa
     k = torch.empty((T, kv_heads, dh), dtype=qkv.dtype, device=qkv.device)
     v = torch.empty((T, kv_heads, dh), dtype=qkv.dtype, device=qkv.device)
     if T:
-        # 1 warp a token on large batches (more tokens resident): 16k tokens 20 against 24 us with the default 4
-        # (perf/RESULTS.md runs 57-58); on small ones the warps made no difference
+        # 1 warp a token on large batches (more tokens resident): faster at 16k tokens, no difference on small ones
+        # (perf/RESULTS.md runs 57-58)
         _qk_norm_rope_kernel[(T,)](qkv, pos, q_w, k_w, cos, sin, rstd, q, k, v, qkv.stride(0), eps, H=heads,
                                    HKV=kv_heads, NH=triton.next_power_of_2(heads + kv_heads), HALF=dh // 2,
                                    VB=triton.next_power_of_2(kv_heads * dh), num_warps=warps or (1 if T >= 4096 else 4))

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from egemma.engine.config import ModelConfig
 from egemma.engine.model import Encoder, Packed
 from egemma.kernels import layer_stack
-from egemma.kernels.select import attention_fn, make_ops, time_ms
+from egemma.kernels.select import attention_fn, available_norm_backends, make_ops, time_ms
 
 
 def graph_batch(lengths, t, vocab, dev):
@@ -36,7 +36,8 @@ def main():
     cfg, dev = ModelConfig.load(args.checkpoint), torch.device("cuda")
     model = Encoder(cfg, torch.bfloat16, dev)
     tokens = [int(t) for t in args.tokens.split(",")]
-    ops = make_ops("auto", dev, torch.bfloat16, cfg.hidden, cfg.intermediate, 2048, tokens, cfg.layers)
+    ops = make_ops("sgl-kernel" if "sgl-kernel" in available_norm_backends(dev) else "triton", dev, torch.bfloat16,
+                   cfg.hidden)
     fa2 = attention_fn("fa2")  # what the engine picks at these sizes (RESULTS run 59)
     for t in tokens:
         b, n = graph_batch(BATCHES.get(t, [t]), t, cfg.vocab_size, dev)

@@ -126,7 +126,7 @@ def test_engine_rejects_bad_ids(checkpoints):
     assert "vocabulary" in eng.check(np.array([2, 5000, 1]))
     assert "vocabulary" in eng.check(np.array([2, -1, 1]))
     assert "non-empty" in eng.check(np.array([], dtype=np.int32))
-    assert "positions" in eng.check(np.ones(4, dtype=np.int32), max_len=2049)
+    assert "positions" in eng.check(np.ones(4, dtype=np.int32), longest=2049)
     assert "positions" in eng.check(np.ones(2049, dtype=np.int32))
 
 

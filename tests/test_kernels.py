@@ -77,7 +77,7 @@ def test_gelu_tanh_and_mul(T, I):
 
 
 # On CPU (Triton's interpreter, fp32: its TMA loads of bf16 come back wrong) small shapes and tiles, so that it runs
-# in seconds; on the GPU Gemma's shapes with every candidate tile, and what make_ops picks per token bucket.
+# in seconds; on the GPU Gemma's shapes with every candidate tile, and mlp_up's paths chosen per token bucket.
 GATE_UP = [(1, 768, 1152), (37, 768, 1152), (769, 768, 1152), (300, 96, 200)] if CUDA else \
     [(1, 96, 80), (37, 96, 80), (130, 64, 200)]
 TILES = fused_gemm.TILES if CUDA else (fused_gemm.Tile(16, 32, 32, 2, 4), fused_gemm.Tile(32, 64, 64, 2, 4))
@@ -97,16 +97,18 @@ def test_gate_up_gelu(T, D, I):
 @pytest.mark.parametrize("T,D,I", GATE_UP)
 def test_mlp_up(T, D, I):
     """The row-scale norm + each fused tile, each backend's unfused mlp_up (its norm_add_norm with a unit pre-norm,
-    cuBLAS, gelu), and on the GPU what make_ops picks per token bucket, against native.mlp_up, the residual updated
+    cuBLAS, gelu), and on the GPU mlp_up with a path per token bucket, against native.mlp_up, the residual updated
     alike."""
     x, r = rand(T, D, scale=3), rand(T, D, scale=10)
     w_post, w = rand(D, scale=0.5), rand(2 * I, D, scale=D ** -0.5)
     r_want = r.clone()
     want = native.mlp_up(x.clone(), r_want, w_post, w, 1e-6)
-    cands = [select._fused(t) for t in TILES] + [make_ops(b, DEV, DTYPE, D, I).mlp_up
-                                                 for b in available_norm_backends(DEV)]
+    cands = [select._fused(t, triton_ops.norm_add_rstd) for t in TILES] + [
+        make_ops(b, DEV, DTYPE, D, invariant).mlp_up for b in available_norm_backends(DEV) for invariant in (0, 1)]
     if CUDA:
-        cands.append(make_ops("auto", DEV, DTYPE, D, I, 1024, [16, 64, 1024]).mlp_up)
+        names = [select.UNFUSED, str(TILES[0]), str(TILES[-1])]
+        cands.append(select.build_ops({"norm_add_norm": "triton", "gelu_tanh_and_mul": "triton"}, names, DEV, DTYPE, D,
+                                      [16, 64, 1024]).mlp_up)
     for f in cands:
         r_got = r.clone()
         close(f(x.clone(), r_got, w_post, w, 1e-6), want)
@@ -144,6 +146,25 @@ def test_mean_pool(lengths, D):
         assert torch.allclose(want[i], ref, atol=1e-5)
 
 
+@pytest.mark.skipif(not CUDA, reason="the interpreter has no warps: every launch shape sums alike there")
+@pytest.mark.parametrize("backend", ["triton", "sgl-kernel"])
+def test_invariant_ops_give_a_row_the_same_bits_in_any_batch(backend):
+    """The ops of a batch-invariant engine (build_ops(invariant=True)): a row among 7 rows and among 5000 (past 4096,
+    where the size-dependent launch shapes switch) has the same bits, as does a sequence's mean."""
+    if backend not in available_norm_backends(DEV):
+        pytest.skip(f"{backend} not installed")
+    ops, big, few, D = make_ops(backend, DEV, DTYPE, 768, invariant=True), 5000, 7, 768
+    x, r, w = rand(big, D, scale=3), rand(big, D, scale=10), rand(D, scale=0.5)
+    for f in (lambda T: ops.norm_add_rstd(x[:T].clone(), r[:T].clone(), w, 1e-6),
+              lambda T: ops.norm_add_norm(x[:T].clone(), r[:T].clone(), w, w, 1e-6),
+              lambda T: ops.embed(torch.arange(T, device=DEV) % 1000, x[:1000].contiguous(), 27.7, 1e-6)[1],
+              lambda T: ops.qk_norm_rope(rand(1, 1280).expand(T, 1280).contiguous(), torch.zeros(T, dtype=torch.long,
+                                         device=DEV), w[:256], w[:256], *native.rope_table(1e4, 256, 8, DEV), 3, 1,
+                                         1e-6, torch.ones(T, device=DEV))[0],
+              lambda T: ops.mean_pool(x[:T], torch.tensor([0, 5, T], dtype=torch.int32, device=DEV), 2)[:1]):
+        assert torch.equal(f(big)[:few], f(few)[:few])
+
+
 @pytest.mark.parametrize("lengths", [[5, 9], [1, 20, 7]])  # 20: |i - j| up to 19, past the small window's 16
 def test_layer_stack_matches_the_layered_forward(checkpoints, lengths):
     """kernels/layer_stack.py against Encoder.forward, in the CUDA graphs' batch layout (the padding one more
@@ -158,7 +179,7 @@ def test_layer_stack_matches_the_layered_forward(checkpoints, lengths):
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist(), n, n, t], dtype=torch.int32)
     pos = torch.cat([torch.arange(k) for k in lengths] + [torch.zeros(t - n, dtype=torch.long)])
     b = Packed(ids.to(DEV), pos.to(DEV), cu.to(DEV), t)
-    ops = make_ops("triton" if CUDA else "native", DEV, DTYPE, model.cfg.hidden, model.cfg.intermediate)
+    ops = make_ops("triton" if CUDA else "native", DEV, DTYPE, model.cfg.hidden)
     attn = (select.attention_fn("fa2" if CUDA else "native"),) * 2
     got = model.forward_stack(b, ops)
     want = model.forward(b, ops, attn)[:n].float()

@@ -10,14 +10,18 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from egemma.engine.cache import cache_dir
 from egemma.engine.config import ModelConfig
 from egemma.engine.graphs import GraphRunner, bucket_sizes
+from egemma.engine.ids import problem
 from egemma.engine.model import Encoder, Packed
-from egemma.kernels.select import ATTENTION_BACKENDS, attention_fn, available_attention_backends, make_ops
+from egemma.kernels import tuning
+from egemma.kernels.select import ATTENTION_BACKENDS, attention_fn, available_attention_backends, build_ops
 
 log = logging.getLogger("egemma")
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+EAGER_ROWS = 16
 
 
 @dataclass(frozen=True)
@@ -30,6 +34,9 @@ class EngineConfig:
     cuda_graphs: bool = True
     max_tokens: int = 16384  # tokens per forward; the largest graph bucket. Larger batches are split.
     max_seqs: int = 256  # sequences per forward
+    # one kernel choice per op for every batch: a sequence's embedding has the same bits whatever it is batched with
+    # (egemma.kernels.tuning; the cost: README "One text, one vector")
+    deterministic: bool = True
 
     @classmethod
     def from_params(cls, checkpoint: str, params: dict[str, str]) -> "EngineConfig":
@@ -58,46 +65,37 @@ class Engine:
             raise ValueError(f"dtype {dtype!r} is not supported (choose from {list(DTYPES)}; fp16 overflows)")
         if ec.max_tokens < cfg.max_seq_length:
             raise ValueError(f"max_tokens {ec.max_tokens} < max_seq_length {cfg.max_seq_length}")
-        if self.device.type == "cuda" and ec.cuda_graphs:
-            # cuBLAS without a workspace: its Hopper GEMMs then take their static-schedule variants, which need no
-            # memset before each launch; in a CUDA graph each memset left the GPU idle ~4 us before its GEMM, 72
-            # times a forward of 16k tokens, and the variants ran faster besides (perf/RESULTS.md runs 80-83). Eager
-            # calls pay on the host for it, hence graphs only. torch reads it at the process's first cuBLAS call
-            # (in a model instance, the warm-up below; after one, setting it here changes nothing); a value set
-            # before stands.
-            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":0:0")
+        tuning.gpu_settings(self.device, ec.cuda_graphs)
         self.model = Encoder(cfg, DTYPES[dtype], self.device)
-        if self.device.type == "cuda":  # kernels are chosen by timing below: bring the clocks up first
-            x = torch.randn(4096, 4096, device=self.device, dtype=torch.bfloat16)
-            for _ in range(200):
-                x @ x
-            torch.cuda.synchronize(self.device)
+        # the Dense GEMM on one row count whatever the batch: its rows' bits then never depend on the batch
+        self.model.head.rows = ec.max_seqs if ec.deterministic else 0
         buckets = bucket_sizes(ec.max_tokens)
-        self.ops = make_ops(ec.norm_backend, self.device, self.model.dtype, cfg.hidden, cfg.intermediate,
-                            ec.max_tokens, buckets, cfg.layers)
         have = available_attention_backends(self.device)
         if ec.attention_backend != "auto" and ec.attention_backend not in have:
             raise RuntimeError(f"attention backend {ec.attention_backend!r} is not available on {self.device} "
                                f"(available: {have}; known: {ATTENTION_BACKENDS})")
         self.attn_candidates = have if ec.attention_backend == "auto" else [ec.attention_backend]
-        log.info("egemma: %s on %s %s, norms=%s, attention candidates=%s, CUBLAS_WORKSPACE_CONFIG=%s, loaded in "
-                 "%.1fs", cfg.path, self.device, dtype, self.ops.name, self.attn_candidates,
-                 os.environ.get("CUBLAS_WORKSPACE_CONFIG"), time.perf_counter() - t0)
-        self.graphs = GraphRunner(self.model, self.ops, self.attn_candidates, buckets, ec.max_seqs,
-                                  capture=ec.cuda_graphs) if self.device.type == "cuda" else None
+        self.graphs = GraphRunner(self.model, buckets, ec.max_seqs) if self.device.type == "cuda" else None
+        t1 = time.perf_counter()
+        fp = tuning.fingerprint(self.device, dtype=dtype, shape=cfg.shape(), max_tokens=ec.max_tokens,
+                                max_seqs=ec.max_seqs, deterministic=ec.deterministic, norm_backend=ec.norm_backend,
+                                attention=self.attn_candidates)
+        self.choices = tuning.settle(fp, cache_dir(), lambda: tuning.tune(
+            self.model, self.graphs, buckets, self.attn_candidates, ec.max_tokens, ec.norm_backend, ec.deterministic))
+        self.ops = build_ops(self.choices.norms, self.choices.mlp_up, self.device, self.model.dtype, cfg.hidden, buckets,
+                             ec.deterministic)
+        t2 = time.perf_counter()
+        if self.graphs is not None:
+            self.graphs.setup(self.ops, self.choices.attention, self.choices.stack, ec.cuda_graphs)
+        log.info("egemma: %s on %s %s, deterministic=%s, %s, CUBLAS_WORKSPACE_CONFIG=%s; load %.1fs, kernel choice "
+                 "%.1fs, graphs %.1fs", cfg.path, self.device, dtype, ec.deterministic, self.choices.summary(),
+                 os.environ.get("CUBLAS_WORKSPACE_CONFIG"), t1 - t0, t2 - t1, time.perf_counter() - t2)
         self.stats = {"graph_replays": 0, "eager_runs": 0, "tokens": 0}
 
-    def check(self, ids: np.ndarray, max_len: int | None = None) -> str | None:
-        """Why these ids (one sequence, or several rows' ids flattened) cannot be embedded, or None."""
-        n = ids.size if max_len is None else max_len
-        if ids.ndim != 1 or ids.size == 0:
-            return "ids must be 1-D and non-empty"
-        if n > self.cfg.max_positions:
-            return f"sequence of {n} tokens exceeds the model's {self.cfg.max_positions} positions"
-        lo, hi = int(ids.min()), int(ids.max())
-        if lo < 0 or hi >= self.cfg.vocab_size:
-            return f"token id {lo if lo < 0 else hi} outside the vocabulary [0, {self.cfg.vocab_size})"
-        return None
+    def check(self, ids: np.ndarray, longest: int | None = None) -> str | None:
+        """Why these ids (one sequence, or several rows' ids flattened, the longest row `longest` long) cannot be
+        embedded, or None (egemma.engine.ids, the id rule)."""
+        return problem(ids, self.cfg.vocab_size, self.cfg.max_positions, longest)
 
     def chunks(self, lengths: list[int]) -> list[tuple[int, int]]:
         """Consecutive [start, end) ranges of sequences that fit one forward (max_tokens, max_seqs)."""
@@ -124,10 +122,15 @@ class Engine:
                 self.stats["graph_replays" if replayed else "eager_runs"] += 1
             else:
                 self.stats["eager_runs"] += 1
-                packed = Packed.from_lengths(torch.from_numpy(ids.astype(np.int64)), lengths[a:b], self.device)
-                out[a:b] = self.forward_eager(packed).cpu().numpy()
+                out[a:b] = self.forward_eager(ids, lengths[a:b]).cpu().numpy()
         return out
 
-    def forward_eager(self, b: Packed) -> torch.Tensor:
-        return self.model.embed_packed(b, b.cu_seqlens.shape[0] - 1, self.ops,
-                                       (attention_fn(self.attn_candidates[0]),) * 2)
+    def forward_eager(self, ids: np.ndarray, lengths: list[int]) -> torch.Tensor:
+        """fp32 [len(lengths), out_dim] without graphs (the CPU's path). Deterministic: the tokens padded to a multiple
+        of EAGER_ROWS by one more sequence, which pooling skips: the CPU's GEMMs give a row the same bits at any such
+        row count, not at a few rows (README, "One text, one vector")."""
+        n, pad = len(lengths), (-ids.size) % EAGER_ROWS if self.ec.deterministic else 0
+        if pad:
+            ids, lengths = np.concatenate([ids, np.full(pad, self.cfg.pad_id, ids.dtype)]), [*lengths, pad]
+        b = Packed.from_lengths(torch.from_numpy(ids.astype(np.int64)), lengths, self.device)
+        return self.model.embed_packed(b, n, self.ops, (attention_fn(self.attn_candidates[0]),) * 2)

@@ -14,14 +14,11 @@ import numpy as np
 import torch
 
 from egemma.engine.model import Encoder, Packed
-from egemma.kernels.select import Ops, attention_fn, pick_attention, time_ms
+from egemma.kernels.select import Ops, attention_fn, time_ms
 
 log = logging.getLogger("egemma")
 
 SEQ_CLASSES = (128, 512, 2048)  # graph variants by longest sequence (clipped to the model's positions)
-# Buckets offered the layer stack as one kernel (kernels/layer_stack.py): it won at 16 tokens and lost by half at 32
-# (perf/RESULTS.md runs 86-87); the choice is still timed at load.
-STACK_TOKENS = 16
 
 
 def bucket_sizes(max_tokens: int) -> list[int]:
@@ -45,10 +42,9 @@ class GraphVars:
 
 
 class GraphRunner:
-    def __init__(self, model: Encoder, ops: Ops, attention: list[str], buckets: list[int], max_seqs: int,
-                 capture: bool = True):
-        """attention: the candidate backends; each graph gets the fastest per layer type."""
-        self.model, self.ops, self.buckets, self.max_seqs = model, ops, buckets, max_seqs
+    def __init__(self, model: Encoder, buckets: list[int], max_seqs: int):
+        """The graphs' input and output buffers; setup() captures them once the kernels are chosen."""
+        self.model, self.buckets, self.max_seqs = model, buckets, max_seqs
         c, dev = model.cfg, model.device
         self.classes = sorted({min(m, c.max_positions) for m in SEQ_CLASSES} | {c.max_positions})
         size = 2 * buckets[-1] + max_seqs + 2
@@ -59,18 +55,24 @@ class GraphRunner:
         self.staged = {t: (v.ids.numpy(), v.pos.numpy(), v.cu_seqlens.numpy())
                        for t in buckets for v in [self.vars(self.staging, t)]}
         self.arange = np.arange(buckets[-1], dtype=np.int64)
-        # the embeddings come back through pinned memory: a pageable .cpu() took ~0.07 ms more at 1 x 16 (perf/
-        # RESULTS.md run 87)
+        # the embeddings come back through pinned memory: a pageable .cpu() was slower (perf/RESULTS.md run 87)
         self.results = torch.zeros((max_seqs, c.out_dim), dtype=torch.float32, pin_memory=True)
         self.keys = [(t, m) for t in buckets for m in sorted({min(m, t) for m in self.classes})]
-        cands = [b for b in attention if b != "native"]  # native attention syncs: not capturable
-        self.attn = {k: self._pick_attention(k, cands) if cands else ("native", "native") for k in self.keys}
-        log.info("egemma: attention per (tokens, max_seqlen) -> (sliding, global): %s",
-                 ", ".join(f"{t}/{m}:{a[0]}/{a[1]}" for (t, m), a in self.attn.items()))
-        timed = capture and bool(cands)  # both choices are timed as CUDA graphs
-        self.stack = {k: timed and self._pick_stack(k) for k in self.keys}
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.capture_s = self._capture() if capture and cands else 0.0
+        self.ops, self.attn, self.stack, self.capture_s = None, {}, set(), 0.0
+
+    @staticmethod
+    def name(key: tuple[int, int]) -> str:
+        return f"{key[0]}/{key[1]}"
+
+    def setup(self, ops: Ops, attention: dict[str, list[str]], stack: list[str], capture: bool):
+        """The chosen kernels (egemma.kernels.tuning.Choices: attention per graph name, the graphs run as the layer
+        stack); capture: every graph now (attention chosen: native attention syncs, so it has none)."""
+        self.ops = ops
+        self.attn = {k: tuple(attention.get(self.name(k), ("native", "native"))) for k in self.keys}
+        self.stack = {k for k in self.keys if self.name(k) in stack}
+        if capture and attention:
+            self.capture_s = self._capture()
 
     def slots(self, t: int) -> int:
         return min(self.max_seqs, t)
@@ -122,15 +124,16 @@ class GraphRunner:
         self.meta[:v.size].copy_(self.staging[:v.size], non_blocking=True)
         return v
 
-    def _forward(self, key: tuple[int, int], stack: bool | None = None) -> torch.Tensor:
+    def _forward(self, key: tuple[int, int], ops: Ops | None = None, attn: tuple[str, str] | None = None,
+                 stack: bool | None = None) -> torch.Tensor:
         """The forward from the staged inputs, their copy to the GPU first: inside each graph, so that a replay is
-        one launch. stack: the layers as one kernel (default: as chosen for this graph)."""
+        one launch. ops, attn (sliding, global), stack (the layers as one kernel): as chosen, unless given."""
         t, m = key
         v = self._upload(t)
-        a = self.attn[key]
+        a = attn or self.attn[key]
         b = Packed(v.ids, v.pos, v.cu_seqlens, m)
-        return self.model.embed_packed(b, self.slots(t), self.ops, (attention_fn(a[0]), attention_fn(a[1])),
-                                       self.stack[key] if stack is None else stack)
+        return self.model.embed_packed(b, self.slots(t), ops or self.ops, (attention_fn(a[0]), attention_fn(a[1])),
+                                       key in self.stack if stack is None else stack)
 
     def _fill(self, t: int, ids: np.ndarray, lengths: list[int]):
         B, T = len(lengths), ids.size
@@ -174,30 +177,28 @@ class GraphRunner:
         np.copyto(out, self.results[:n].numpy())
         return out, replay
 
-    def _pick_stack(self, key: tuple[int, int]) -> bool:
-        """Whether this graph runs the layer stack as one kernel: bf16, at most STACK_TOKENS tokens, a GPU and model
-        shape it supports, and faster than the layered forward, each timed as graphs of the whole forward."""
+    # The timers egemma.kernels.tuning chooses with: each on a full batch of the graph's shape.
+    def stack_supported(self, key: tuple[int, int]) -> bool:
+        """Whether the layer stack kernel can run this graph: bf16 and a GPU and model shape it supports."""
         from egemma.kernels import layer_stack
         c = self.model.cfg
-        if key[0] > STACK_TOKENS or self.model.dtype != torch.bfloat16 or not layer_stack.supported(
-                self.model.device, c.hidden, c.intermediate, c.heads, c.kv_heads, c.head_dim):
-            return False
-        self._fill_dummy(key)
-        ms = {s: time_ms(lambda s=s: self._forward(key, s)) for s in (False, True)}
-        log.info("egemma: %d tokens: the layer stack as one kernel %.3f ms, layered %.3f ms a forward -> %s", key[0],
-                 ms[True], ms[False], "one kernel" if ms[True] < ms[False] else "layered")
-        return ms[True] < ms[False]
+        return self.model.dtype == torch.bfloat16 and layer_stack.supported(
+            self.model.device, c.hidden, c.intermediate, c.heads, c.kv_heads, c.head_dim)
 
-    def _pick_attention(self, key: tuple[int, int], cands: list[str]) -> tuple[str, str]:
-        """(sliding, global) backends for this graph, timed on a full batch of it."""
-        if len(cands) == 1:
-            return cands[0], cands[0]
+    def forward_ms(self, key: tuple[int, int], ops: Ops, attn: tuple[str, str], stack: bool) -> float:
+        """GPU ms of this graph's whole forward, captured as a graph."""
+        self._fill_dummy(key)
+        return time_ms(lambda: self._forward(key, ops, attn, stack))
+
+    def attention_ms(self, key: tuple[int, int], ops: Ops, cands: list[str], sliding: bool) -> dict[str, float]:
+        """GPU ms of each backend's attention in this graph, sliding or global, on q / k / v exactly as the forward
+        makes them (by qk_norm_rope from the qkv GEMM's output): on other layouts the ranking came out differently."""
         c, L = self.model.cfg, self.model.layers[0]
         t, m = key
         self._fill_dummy(key)
         v = self._upload(t)  # the staging buffer is refilled only after the timing below has synchronised
         qkv = torch.randn(t, (c.heads + 2 * c.kv_heads) * c.head_dim, device=self.model.device, dtype=self.model.dtype)
-        q, k, vv = self.ops.qk_norm_rope(qkv, v.pos, L.q_norm, L.k_norm, *self.model.rope[True], c.heads,
-                                         c.kv_heads, c.eps, torch.ones(t, device=qkv.device))
-        cu = v.cu_seqlens
-        return tuple(pick_attention(cands, q, k, vv, cu, m, w, c.attn_scale) for w in (c.window, -1))
+        q, k, vv = ops.qk_norm_rope(qkv, v.pos, L.q_norm, L.k_norm, *self.model.rope[True], c.heads, c.kv_heads,
+                                    c.eps, torch.ones(t, device=qkv.device))
+        w = c.window if sliding else -1
+        return {b: time_ms(attention_fn(b), q, k, vv, v.cu_seqlens, m, w, c.attn_scale) for b in cands}

@@ -29,11 +29,12 @@ class Head:
             b = bd if b is None else b @ wd.T + (0.0 if bd is None else bd)
             w = wd if w is None else wd @ w
         self.dense = (None if w is None else w.float().to(device), None if b is None else b.float().to(device))
+        self.rows = 0  # > 0: the Dense GEMM always on this many rows (zeros past n), so no row's bits follow n
 
     def __call__(self, x: torch.Tensor, cu_seqlens: torch.Tensor, n: int, ops: Ops) -> torch.Tensor:
         """x [T, D] -> fp32 [n, out_dim]: the mean over each of the first n sequences' rows (rows past
         cu_seqlens[n], graph padding that may never have been written, are not read), Dense, L2 norm."""
         e = ops.mean_pool(x, cu_seqlens, n)
         if self.dense[0] is not None:
-            e = F.linear(e, *self.dense)
+            e = F.linear(F.pad(e, (0, 0, 0, self.rows - n)) if n < self.rows else e, *self.dense)[:n]
         return F.normalize(e, dim=-1) if self.normalize else e

@@ -11,6 +11,7 @@ import tritonclient.grpc as grpcclient
 from aiohttp import web
 from tritonclient.utils import InferenceServerException
 
+from egemma.engine.ids import complete
 from egemma.stub.adapter import triton_params
 
 ENSEMBLE, ENCODER, TOKENIZER = "embeddinggemma", "embeddinggemma_encoder", "embeddinggemma_tokenizer"
@@ -83,7 +84,10 @@ async def embed_ids(gw, rows: list[np.ndarray], params: dict) -> np.ndarray:
         i.set_data_from_numpy(ids)
         s = grpcclient.InferInput("SEQ_LEN", list(lens.shape), "INT32")
         s.set_data_from_numpy(lens)
-        return (await _infer(gw, ENCODER, [i, s], _OUT_EMB, params)).as_numpy("EMBEDDING")
+        # the options as the tokenizer passes them on (egemma.stub.options.to_tensor): the response cache keys on it
+        o = grpcclient.InferInput("OPTIONS", [b - a, 2], "INT32")
+        o.set_data_from_numpy(np.tile(np.array([int(params.get("dimensions") or 0), 0], np.int32), (b - a, 1)))
+        return (await _infer(gw, ENCODER, [i, s, o], _OUT_EMB, params)).as_numpy("EMBEDDING")
     return np.concatenate(await gather(*(one(a, b) for a, b in _chunks(len(rows), gw.max_batch))))
 
 
@@ -98,21 +102,14 @@ async def tokenize(gw, texts: list[str], params: dict) -> list[np.ndarray]:
 
 
 def complete_ids(rows: list[list[int]], facts: "Facts", truncate: bool) -> list[np.ndarray]:
-    """Clients' token id lists as the encoder gets them: BOS prepended unless the first id is BOS, EOS appended
-    unless the last is EOS (so ids with or without specials, e.g. from /tokenize, embed as their text does);
-    over max_length cut keeping EOS last as for text. ValueError naming the input for an id outside the
-    vocabulary, or (truncate=False) an over-long input."""
-    c, out = facts.cfg, []
+    """Clients' token id lists as the encoder gets them (egemma.engine.ids.complete, the id rule). ValueError naming
+    the input for an id outside the vocabulary, or (truncate=False) an over-long input."""
+    out = []
     for j, ids in enumerate(rows):
-        if (bad := next((t for t in ids if not 0 <= t < c.vocab_size), None)) is not None:
-            raise ValueError(f"input {j}: token id {bad} is outside the vocabulary [0, {c.vocab_size})")
-        seq = [c.bos_id] * (ids[:1] != [c.bos_id]) + ids + [c.eos_id] * (ids[-1:] != [c.eos_id])
-        if len(seq) > c.max_seq_length:
-            if not truncate:
-                raise ValueError(f"input {j} has {len(seq)} tokens with BOS/EOS, over the {c.max_seq_length}-token "
-                                 "limit (truncate=false)")
-            seq = seq[:c.max_seq_length - 1] + [c.eos_id]
-        out.append(np.asarray(seq, dtype=np.int32))
+        try:
+            out.append(complete(ids, facts.cfg, truncate))
+        except ValueError as e:
+            raise ValueError(f"input {j}: {e}") from None
     return out
 
 

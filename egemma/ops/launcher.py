@@ -62,6 +62,9 @@ def main(argv=None):
                          "(default: $EGEMMA_ADMIN_KEY, else random, printed at start)")
     ap.add_argument("--exit-timeout-secs", type=int, default=30,
                     help="on SIGTERM, how long in-flight requests may take to finish (default 30)")
+    ap.add_argument("--response-cache-mb", type=int, default=0, metavar="MB",
+                    help="Triton's response cache for the encoder, that many MiB (default 0: off; README, 'One text, "
+                         "one vector')")
     ap.add_argument("--openai-port", type=int, help="a second port of the gateway (OpenAI, TEI and KServe routes)")
     ap.add_argument("--served-model-name", default="google/embeddinggemma-300m",
                     help="the model name the OpenAI and TEI routes answer to and report")
@@ -96,7 +99,7 @@ def main(argv=None):
     def start():
         return TritonServer(ckpt, a.host, internal, a.grpc_port, a.metrics_port, a.run_dir, params,
                             admin_key=key, exit_timeout_secs=a.exit_timeout_secs, instances=instances, gpus=gpus,
-                            http_host="127.0.0.1")
+                            http_host="127.0.0.1", response_cache_mb=a.response_cache_mb)
 
     # The handler only flags (set before starting, so an early SIGTERM is not lost); the main loop stops the
     # server, which waits for in-flight requests, something a signal handler should not do.

@@ -83,14 +83,20 @@ def instance_group(count: int, kind: str, gpus: list[int] | None = None) -> str:
     return f"instance_group [ {{ count: {count} kind: {kind}{placed} }} ]"
 
 
+CACHED = "embeddinggemma_encoder"  # the model whose answers Triton's response cache keeps (--response-cache-mb)
+CACHE_OFF, CACHE_ON = "response_cache { enable: false }", "response_cache { enable: true }"
+
+
 def render_repository(dest: Path, checkpoint: Path, params: dict[str, str] | None = None, src: Path = REPO,
-                      optional=(), instances: dict[str, int] | None = None, gpus: list[int] | None = None) -> Path:
+                      optional=(), instances: dict[str, int] | None = None, gpus: list[int] | None = None,
+                      response_cache: bool = False) -> Path:
     """Copy a model repository to dest with the checkpoint, and any other parameters, written into every model
     config that declares them, and with `instances` ({model: count}) replacing those models' instance counts.
     gpus (device ids; none or empty: unchanged): every KIND_MODEL instance group (a model that runs on a GPU when
     there is one) becomes KIND_GPU on those GPUs, its count then per GPU, as Triton counts it. KIND_GPU is only
     for hosts with GPUs: Triton refuses to load it without one. A parameter no config declares, or a model not
-    in the repository, is an error (parameters in optional excepted)."""
+    in the repository, is an error (parameters in optional excepted). response_cache: the encoder's answers are
+    cached, keyed on its ids and its OPTIONS input, which it then requires (the cache never sees parameters)."""
     if dest.exists():
         shutil.rmtree(dest)
     shutil.copytree(src, dest, ignore=shutil.ignore_patterns("__pycache__"))
@@ -110,6 +116,10 @@ def render_repository(dest: Path, checkpoint: Path, params: dict[str, str] | Non
             if gpus and kind == "KIND_MODEL":
                 kind, placed = "KIND_GPU", gpus
             text = INSTANCE_GROUP.sub(instance_group(count, kind, placed), text)
+        if response_cache and model == CACHED:
+            if CACHE_OFF not in text:
+                raise ValueError(f"{cfg}: no '{CACHE_OFF}' to turn the cache on with")
+            text = text.replace(CACHE_OFF, CACHE_ON)
         cfg.write_text(text)
     used = set()
     for cfg in sorted(configs.values()):

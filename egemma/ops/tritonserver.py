@@ -81,7 +81,7 @@ class TritonServer:
                  run_dir: Path | None = None, params: dict[str, str] | None = None, log_file=None,
                  extra_args=(), ready_timeout=600.0, repository: Path = REPO, admin_key: str | None = None,
                  exit_timeout_secs: int = 30, instances: dict[str, int] | None = None, stub_bin: str | None = None,
-                 gpus: list[int] | None = None, http_host: str | None = None):
+                 gpus: list[int] | None = None, http_host: str | None = None, response_cache_mb: int = 0):
         """instances: {model: count} over the repository's counts (without a GPU, over CPU_INSTANCES first: the
         repository's are for a GPU host, and on CPU each encoder instance is a forward competing for the cores;
         with one, the tokenizer's count from the host's cores, egemma.ops.host.tokenizer_instances).
@@ -89,7 +89,8 @@ class TritonServer:
         KIND_MODEL as in the repository (cuda:0, or the CPU).
         stub_bin: the bin directory of the Python environment the stubs run (default $TRITON_STUB_PATH, else
         this interpreter's). http_host: the address of Triton's own HTTP (default host; the launcher keeps it on
-        loopback behind egemma.gateway.app, since one request can crash it)."""
+        loopback behind egemma.gateway.app, since one request can crash it). response_cache_mb: Triton's response
+        cache of that many MiB for the encoder (egemma.ops.repository.render_repository)."""
         self.host, self.http_port, self.grpc_port, self.metrics_port = host, http_port, grpc_port, metrics_port
         self.http_host = http_host or host
         # No key given: a random one, so the admin APIs are never open by accident.
@@ -105,7 +106,8 @@ class TritonServer:
                 "embeddinggemma_tokenizer": tokenizer_instances(usable_cores(), len(gpus or [0]))}
             instances = {**defaults, **(instances or {})}
         self.repo = render_repository(self.run_dir / "model_repository", checkpoint, params, repository,
-                                      optional=("tokenizer_json",), instances=instances, gpus=gpus)
+                                      optional=("tokenizer_json",), instances=instances, gpus=gpus,
+                                      response_cache=response_cache_mb > 0)
         # Every model instance stamps its executes here (egemma.stub.instance); the watchdog reads them.
         self.heartbeat_dir = self.run_dir / "heartbeat"
         shutil.rmtree(self.heartbeat_dir, ignore_errors=True)
@@ -117,7 +119,9 @@ class TritonServer:
                     f"--grpc-port={grpc_port}", f"--metrics-address={host}", f"--metrics-port={metrics_port}",
                     f"--http-restricted-api={ADMIN_APIS}:{ADMIN_HEADER}={self.admin_key}",
                     f"--grpc-restricted-protocol={ADMIN_APIS}:{ADMIN_HEADER}={self.admin_key}",
-                    f"--exit-timeout-secs={exit_timeout_secs}", *extra_args]
+                    f"--exit-timeout-secs={exit_timeout_secs}",
+                    *(self._cache_args(response_cache_mb, Path(backends).parent) if response_cache_mb > 0 else []),
+                    *extra_args]
         env = {**os.environ, HEARTBEAT_DIR: str(self.heartbeat_dir)}
         # The stub runs the Python whose bin is first on PATH: this one, or $TRITON_STUB_PATH (a numpy<2 venv).
         stub_bin = stub_bin or os.environ.get("TRITON_STUB_PATH") or str(Path(sys.executable).parent)
@@ -131,6 +135,13 @@ class TritonServer:
         self.proc = subprocess.Popen(self.cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT,
                                      start_new_session=True)
         self.wait_ready(ready_timeout)
+
+    @staticmethod
+    def _cache_args(mb: int, root: Path) -> list[str]:
+        """Triton's local response cache of mb MiB; its library sits beside the backends in a bundled tritonserver
+        (an image's is in Triton's default /opt/tritonserver/caches)."""
+        where = [f"--cache-directory={root / 'caches'}"] if (root / "caches").is_dir() else []
+        return [*where, f"--cache-config=local,size={mb << 20}"]
 
     @property
     def http_url(self) -> str:

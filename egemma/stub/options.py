@@ -1,5 +1,7 @@
 """Per-request options, sent as KServe request `parameters` to the ensemble (which forwards them to both
-models). Defaults reproduce plain SentenceTransformer.encode."""
+models). Defaults reproduce plain SentenceTransformer.encode. The tokenizer model also passes the options that shape
+the encoder's output (dimensions, encoding) on as its OPTIONS tensor, so that Triton's response cache, which keys on
+input tensors and never on parameters, keys on them too."""
 from __future__ import annotations
 
 import json
@@ -52,6 +54,27 @@ class RequestOptions:
 
 
 DEFAULTS = RequestOptions()
+ENCODINGS = tuple(OUTPUTS)  # OPTIONS carries an encoding as its index here
+
+
+def to_tensor(opts: RequestOptions, rows: int) -> np.ndarray:
+    """OPTIONS for a request of `rows` rows: INT32 [rows, 2], each (dimensions, 0 for the full size; encoding)."""
+    return np.tile(np.array([opts.dimensions or 0, ENCODINGS.index(opts.encoding)], np.int32), (rows, 1))
+
+
+def from_tensor(opts: RequestOptions, t: np.ndarray) -> RequestOptions:
+    """The options of an OPTIONS tensor over those of the parameters, which must agree where they give them."""
+    if t.ndim != 2 or t.shape[1] != 2 or (t.shape[0] and (t != t[:1]).any()):
+        raise OptionError(f"OPTIONS must be [rows, 2] and the same in every row, got {t.tolist()}")
+    dims, enc = (int(v) for v in t[0]) if t.shape[0] else (0, 0)
+    if not 0 <= enc < len(ENCODINGS) or dims < 0:
+        raise OptionError(f"OPTIONS {[dims, enc]}: dimensions must be >= 0 and encoding one of 0-{len(ENCODINGS) - 1} "
+                          f"({', '.join(ENCODINGS)})")
+    got = RequestOptions(opts.prompt_name, opts.prompt, dims or None, opts.truncate, ENCODINGS[enc])
+    if (opts.dimensions not in (None, got.dimensions)) or (opts.encoding not in ("float", got.encoding)):
+        raise OptionError(f"the parameters (dimensions {opts.dimensions}, encoding {opts.encoding}) disagree with "
+                          f"OPTIONS ({got.dimensions}, {got.encoding})")
+    return got
 
 
 def allowed_dimensions(spec: str, out_dim: int) -> tuple[int, ...]:

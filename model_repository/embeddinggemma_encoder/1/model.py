@@ -1,7 +1,9 @@
 """Triton adapter: INPUT_IDS [n, L] (+ SEQ_LEN [n, 1]) -> EMBEDDING [n, D] with egemma.engine.Engine.
 Every row of every request in the dynamic batch is packed into one varlen token batch; a malformed request
-gets its own error and never fails the others. Request parameters: dimensions (Matryoshka truncation +
-renormalisation), encoding (float -> EMBEDDING, ubinary -> EMBEDDING_UBINARY, binary -> EMBEDDING_BINARY)."""
+gets its own error and never fails the others. Request parameters, or the OPTIONS input over them: dimensions
+(Matryoshka truncation + renormalisation), encoding (float -> EMBEDDING, ubinary -> EMBEDDING_UBINARY, binary ->
+EMBEDDING_BINARY)."""
+import json
 import logging
 import time
 
@@ -11,7 +13,8 @@ import triton_python_backend_utils as pb_utils
 from egemma.engine import Engine, EngineConfig
 from egemma.stub.instance import Heartbeat, instance_device
 from egemma.stub.metrics import Counters
-from egemma.stub.options import OptionError, RequestOptions, allowed_dimensions, check_dimensions, shape_output
+from egemma.stub.options import (OptionError, RequestOptions, allowed_dimensions, check_dimensions, from_tensor,
+                                 shape_output)
 from egemma.stub.adapter import Adapter, setup_logging, triton_params
 
 
@@ -26,6 +29,10 @@ class TritonPythonModel:
                                          self.engine.device)
         self.beat = Heartbeat(args["model_instance_name"])
         self.dims = allowed_dimensions(dims_spec, self.engine.cfg.out_dim)
+        # Triton's response cache keys on the inputs only: with it on, an answer made without OPTIONS could be given
+        # to a request whose parameters ask for other dimensions, so none is made (Triton does not enforce a
+        # required input: checked here)
+        self.needs_options = json.loads(args["model_config"]).get("response_cache", {}).get("enable", False)
         self.a = Adapter(pb_utils)
         self.counters = Counters(pb_utils, {
             "tokens": "Tokens embedded", "sequences": "Sequences embedded", "executes": "execute() calls",
@@ -38,8 +45,14 @@ class TritonPythonModel:
         # per request, in Python ints and one pass over the inputs: numpy reductions and pb_utils's
         # get_input_tensor_by_name (which lists every input on each call) cost ~2-5 us apiece
         opts = RequestOptions.parse(req.parameters())
-        check_dimensions(opts, self.dims)
         t = {x.name(): x for x in req.inputs()}
+        if "OPTIONS" in t:
+            opts = from_tensor(opts, t["OPTIONS"].as_numpy())
+        elif self.needs_options:
+            raise OptionError("this server caches responses (keyed on the inputs, never the parameters): send the "
+                              "OPTIONS input, INT32 [rows, 2] of (dimensions or 0, encoding 0 float / 1 ubinary / "
+                              "2 binary)")
+        check_dimensions(opts, self.dims)
         ids = t["INPUT_IDS"].as_numpy()
         if ids.ndim != 2:
             raise OptionError(f"INPUT_IDS must be [batch, tokens], got shape {list(ids.shape)}")
@@ -49,18 +62,14 @@ class TritonPythonModel:
             raise OptionError(f"SEQ_LEN has {len(lens)} rows, INPUT_IDS {rows}")
         if lens and not (1 <= min(lens) and max(lens) <= width):
             raise OptionError(f"SEQ_LEN values must lie in [1, {width}], got {lens}")
-        if width > self.engine.cfg.max_positions:
-            raise OptionError(f"sequences of {width} tokens exceed the model's "
-                              f"{self.engine.cfg.max_positions} positions")
         return opts, [ids[j, :n] for j, n in enumerate(lens)]
 
-    def _vocab_errors(self, parsed) -> dict[int, str]:
-        """{request index: why} for requests with ids outside the vocabulary (padding past SEQ_LEN is never
-        embedded, so never checked). One check over the whole batch; only a batch that fails it is checked
-        request by request."""
+    def _id_errors(self, parsed) -> dict[int, str]:
+        """{request index: why} for requests whose ids the engine refuses (egemma.engine.ids: the vocabulary, the
+        positions; padding past SEQ_LEN is never embedded, so never checked). One check over the whole batch; only a
+        batch that fails it is checked request by request."""
         seqs = [r for _, (_, rows) in parsed for r in rows]
-        flat = np.concatenate(seqs) if seqs else np.zeros(0, np.int32)
-        if not flat.size or (0 <= flat.min() and flat.max() < self.engine.cfg.vocab_size):
+        if not seqs or self.engine.check(np.concatenate(seqs), max(map(len, seqs))) is None:
             return {}
         return {i: why for i, (_, rows) in parsed
                 if rows and (why := self.engine.check(np.concatenate(rows), max(len(r) for r in rows)))}
@@ -73,7 +82,7 @@ class TritonPythonModel:
         t0 = time.perf_counter()
         responses, parsed = self.a.parse_each(requests, self._parse)
         try:
-            bad = self._vocab_errors(parsed)
+            bad = self._id_errors(parsed)
         except Exception as e:  # unchecked ids must not reach the GPU: fail these requests, not the stub
             bad = {i: e for i, _ in parsed}
         for i, why in bad.items():

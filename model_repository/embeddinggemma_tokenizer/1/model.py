@@ -1,7 +1,8 @@
 """Triton adapter: TEXT -> INPUT_IDS / SEQ_LEN with egemma.engine.tokenizer. All texts of all requests in the
 dynamic batch go through one batched tokenizer call; a bad request gets its own error, the others their ids.
 Request parameters: prompt_name / prompt (prepended, as SentenceTransformer.encode), truncate (false: an
-over-long text is an error); every option is parsed here, so malformed ones fail before tokenising."""
+over-long text is an error); every option is parsed here, so malformed ones fail before tokenising, and those that
+shape the encoder's output leave as OPTIONS (egemma.stub.options.to_tensor), which the response cache keys on."""
 import time
 
 import numpy as np
@@ -11,7 +12,7 @@ from egemma.engine.config import ModelConfig
 from egemma.engine.tokenizer import TextTokenizer
 from egemma.stub.instance import Heartbeat
 from egemma.stub.metrics import Counters
-from egemma.stub.options import OptionError, RequestOptions
+from egemma.stub.options import OptionError, RequestOptions, allowed_dimensions, check_dimensions, to_tensor
 from egemma.stub.adapter import Adapter, setup_logging, triton_params
 
 
@@ -22,6 +23,9 @@ class TritonPythonModel:
         self.cfg = ModelConfig.load(checkpoint)
         self.tok = TextTokenizer(self.cfg, params.get("tokenizer_json"), params.get("tokenizer_backend", "auto"))
         self.max_text_bytes = int(params.get("max_text_bytes", 1_000_000))
+        # checked here too, not only in the encoder: a request the ensemble refuses never reaches the encoder, whose
+        # response cache would keep an error as an empty answer (Triton 2.51; tests/test_cache.py)
+        self.dims = allowed_dimensions(params.get("matryoshka_dims", ""), self.cfg.out_dim)
         self.a = Adapter(pb_utils)
         self.beat = Heartbeat(args["model_instance_name"])
         self.counters = Counters(pb_utils, {"tokenizer_seconds": "Time spent tokenising, seconds",
@@ -29,6 +33,7 @@ class TritonPythonModel:
 
     def _texts(self, req) -> tuple[list[str], RequestOptions]:
         opts = RequestOptions.parse(req.parameters())
+        check_dimensions(opts, self.dims)
         prefix = self.tok.prefix(opts.prompt_name, opts.prompt)
         # prompt + text is what gets tokenised: together under max_text_bytes (a 20 MB prompt cost seconds of CPU)
         try:
@@ -84,7 +89,7 @@ class TritonPythonModel:
             ids = np.full((len(rows), int(lens.max(initial=1))), self.cfg.pad_id, dtype=np.int32)
             for j, r in enumerate(rows):
                 ids[j, :len(r)] = r
-        return self.a.outputs({"INPUT_IDS": ids, "SEQ_LEN": lens[:, None]})
+        return self.a.outputs({"INPUT_IDS": ids, "SEQ_LEN": lens[:, None], "OPTIONS": to_tensor(opts, len(rows))})
 
     def execute(self, requests):
         with self.beat:  # start/end stamps: the watchdog sees a hung or spinning instance (egemma.stub.instance)

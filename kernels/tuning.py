@@ -1,0 +1,248 @@
+"""Every load-time choice of the engine, made once per deployment and kept in a tuning file that every encoder
+instance and every restart reads: the elementwise ops' backends, mlp_up's path per token bucket, attention's backend
+per CUDA graph and layer type, the layer stack as one kernel per graph, and the settings around them (the cuBLAS
+workspace, the clock warm-up before timing). One log line says what was chosen and whether it was read or timed.
+
+Invariant (the engine's default): one choice per op for every bucket and graph, the row kernels at one launch shape,
+no layer stack, so a sequence's embedding has the same bits whatever it is batched with: each kernel left computes a
+row from that row alone, in an order that does not depend on the batch (README, "One text, one vector").
+
+The file: <cache dir>/tuning-<hash>.json, the hash of a key naming the GPU, driver, library versions, model shape and
+engine settings; the key is stored inside and checked. Instances starting together tune once: the first takes an
+flock, the others wait for it and read. A corrupt or foreign file is tuned again with a warning; a directory that
+cannot be written means tuning in memory (a file already there is still read), with a warning."""
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from egemma.kernels import select
+
+log = logging.getLogger("egemma")
+SCHEMA = 1
+STACK_TOKENS = 16  # graphs offered the layer stack: it won at 16 tokens, lost by half at 32 (RESULTS runs 86-87)
+# the modules whose kernels are timed, and the distributions that may install each
+MODULES = {"torch": ("torch",), "triton": ("triton",), "flash_attn_interface": ("tokenspeed-fa3", "flash-attn-3"),
+           "sgl_kernel": ("sglang-kernel", "sgl-kernel")}
+
+
+@dataclass
+class Choices:
+    norms: dict[str, str]  # {"norm_add_norm": backend, "gelu_tanh_and_mul": backend}
+    mlp_up: list[str]  # a path per token bucket (select.UNFUSED or a fused tile), one for all when invariant
+    attention: dict[str, list[str]] = field(default_factory=dict)  # "tokens/max_seqlen" -> [sliding, global]
+    stack: list[str] = field(default_factory=list)  # graphs ("tokens/max_seqlen") run as the layer stack
+    seconds: float = 0.0  # how long the timing took
+
+    def summary(self) -> str:
+        ops = ",".join(f"{k}={v}" for k, v in self.norms.items())
+        runs = [n for i, n in enumerate(self.mlp_up) if i == 0 or n != self.mlp_up[i - 1]]
+        attn = sorted({"/".join(v) for v in self.attention.values()})
+        return (f"{ops}, mlp_up={'|'.join(runs)}, attention(sliding/global)={'|'.join(attn) or 'native'}, "
+                f"layer stack on {len(self.stack)} graphs")
+
+
+def gpu_settings(device: torch.device, cuda_graphs: bool):
+    """Before the process's first cuBLAS call. No cuBLAS workspace: its Hopper GEMMs then take their static-schedule
+    variants, which need no memset before each launch (in a CUDA graph each memset idled the GPU before its GEMM) and
+    never split K by the batch's size (RESULTS runs 80-83). Eager calls pay for it on the host, hence graphs only. A
+    value set before stands."""
+    if device.type == "cuda" and cuda_graphs:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":0:0")
+
+
+def _version(module: str) -> str | None:
+    spec = importlib.util.find_spec(module)
+    if spec is None:
+        return None
+    for d in MODULES[module]:
+        try:
+            return f"{d}=={importlib.metadata.version(d)}"
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    st = os.stat(spec.origin)  # unpacked without metadata: its file stands for its version
+    return f"{spec.origin}:{st.st_size}:{int(st.st_mtime)}"
+
+
+def fingerprint(device: torch.device, **settings) -> dict:
+    """What the choices depend on: the GPU, its driver, the libraries' versions, and the model shape and engine
+    settings given (JSON values)."""
+    fp = {"schema": SCHEMA, "device": device.type, "settings": settings,
+          "versions": {m: _version(m) for m in MODULES}}
+    if device.type == "cuda":
+        p = torch.cuda.get_device_properties(device)
+        fp["gpu"] = {"name": p.name, "capability": [p.major, p.minor], "sms": p.multi_processor_count,
+                     "driver": torch._C._cuda_getDriverVersion(), "cuda": torch.version.cuda}
+    return fp
+
+
+def _read(path: Path, fp: dict) -> tuple[Choices | None, str | None]:
+    """(choices, None), or (None, why the file cannot be used; None where there is none)."""
+    try:
+        doc = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None, None
+    except (OSError, ValueError) as e:
+        return None, f"is unreadable or corrupt ({e})"
+    if not isinstance(doc, dict) or doc.get("key") != fp:
+        theirs = doc.get("key") if isinstance(doc, dict) and isinstance(doc.get("key"), dict) else {}
+        differ = sorted(k for k in fp.keys() | theirs.keys() if fp.get(k) != theirs.get(k))
+        return None, f"was made for another setup (differs in {', '.join(differ) or 'its form'})"
+    try:
+        return Choices(**doc["choices"]), None
+    except (KeyError, TypeError) as e:
+        return None, f"is corrupt ({e!r})"
+
+
+def _write(path: Path, fp: dict, c: Choices):
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps({"key": fp, "choices": dataclasses.asdict(c)}, indent=1))
+    os.replace(tmp, path)  # readers see the old file or the whole new one
+
+
+def settle(fp: dict, directory: Path, tune: Callable[[], Choices]) -> Choices:
+    """The choices for fp: read from the tuning file under directory, else tune() and save them there."""
+    path = directory / f"tuning-{hashlib.sha256(json.dumps(fp, sort_keys=True).encode()).hexdigest()[:16]}.json"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        lock = open(path.with_suffix(".lock"), "a")
+    except OSError as e:
+        c, why = _read(path, fp)
+        if c is not None:
+            log.warning("egemma: tuning: read %s (cache directory not writable: %s)", path, e)
+            return c
+        log.warning("egemma: tuning: cache directory %s is not writable (%s): tuning in memory, not shared with "
+                    "other instances or restarts%s", directory, e, f"; {path} {why}" if why else "")
+        return _tuned(tune, "kept in memory")
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # the first instance tunes; the others wait here, then read
+        c, why = _read(path, fp)
+        if c is not None:
+            log.info("egemma: tuning: read %s", path)
+            return c
+        if why:
+            log.warning("egemma: tuning file %s %s: tuning again", path, why)
+        try:
+            c = tune()
+            _write(path, fp, c)
+        except OSError as e:
+            log.warning("egemma: tuning: could not save %s (%s): kept in memory", path, e)
+            return c
+        log.info("egemma: tuning: tuned in %.1fs, saved %s", c.seconds, path)
+        return c
+
+
+def _tuned(tune: Callable[[], Choices], where: str) -> Choices:
+    c = tune()
+    log.info("egemma: tuning: tuned in %.1fs, %s", c.seconds, where)
+    return c
+
+
+def warm_clocks(device: torch.device):
+    """Kernels are chosen by timing: bring the GPU's clocks up first."""
+    x = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
+    for _ in range(200):
+        x @ x
+    torch.cuda.synchronize(device)
+
+
+def _norms(backend, device, dtype, hidden, intermediate, tokens) -> dict[str, str]:
+    """Each elementwise op's backend: the one asked for (sgl-kernel has no gelu_tanh_and_mul for the interleaved
+    gate_up: Triton-lang's), else the fastest available on [tokens, hidden] data."""
+    have = select.available_norm_backends(device)
+    if backend != "auto" or len(have) == 1:
+        b = have[0] if backend == "auto" else backend
+        if b not in have:
+            raise RuntimeError(f"norm backend {b!r} is not available on {device} (available: {have})")
+        return {"norm_add_norm": b, "gelu_tanh_and_mul": "triton" if b == "sgl-kernel" else b}
+    x, h = (torch.randn(tokens, hidden, device=device, dtype=dtype) for _ in range(2))
+    w = torch.randn(hidden, device=device, dtype=dtype)
+    gu = torch.randn(tokens, 2 * intermediate, device=device, dtype=dtype)
+    args = {"norm_add_norm": (x, h, w, w, 1e-6), "gelu_tanh_and_mul": (gu,)}
+    cands = {b: select._backend_ops(b) for b in have}
+    out = {}
+    for op, a in args.items():
+        times = {b: select.time_ms(cands[b][op], *a) for b in have if op in cands[b]}
+        out[op] = min(times, key=times.get)
+    return out
+
+
+def best(times: list[dict[str, float]], invariant: bool) -> list[str]:
+    """The fastest candidate at each size; invariant: the one candidate fastest over all of them together (the least
+    mean time relative to each size's fastest), for every size."""
+    if not invariant:
+        return [min(t, key=t.get) for t in times]
+    common = set.intersection(*(set(t) for t in times))
+    pick = min(sorted(common), key=lambda c: sum(t[c] / min(t.values()) for t in times))
+    return [pick] * len(times)
+
+
+def _mlp_up(norms, device, dtype, hidden, intermediate, buckets, layers, invariant) -> list[str]:
+    """mlp_up's path per token bucket, each timed over `layers` different weights (select.time_layers: one set would
+    sit in L2 and flatter small sizes)."""
+    cands = select.mlp_up_candidates(device, dtype, hidden, intermediate)
+    if len(cands) == 1 or not buckets:
+        return [cands[0]] * max(1, len(buckets))
+    from triton.runtime.errors import OutOfResources
+    ws = [torch.randn(2 * intermediate, hidden, device=device, dtype=dtype) / hidden ** 0.5 for _ in range(layers)]
+    w_post = torch.randn(hidden, device=device, dtype=dtype) * 0.1
+    times = []
+    for t in buckets:
+        x = torch.randn(t, hidden, device=device, dtype=dtype)
+        residual = torch.randn(t, hidden, device=device, dtype=dtype) * 10
+        at = {}
+        for name in cands:
+            f = select.build_ops(norms, [name], device, dtype, hidden, invariant=invariant).mlp_up
+            try:
+                at[name] = select.time_layers(lambda i, f=f: f(x, residual, w_post, ws[i], 1e-6), layers)
+            except OutOfResources as e:  # a tile too large for this GPU's shared memory: not a candidate here
+                log.info("egemma: mlp_up tile %s does not fit %s: %s", name, device, e)
+        times.append(at)
+    return best(times, invariant)
+
+
+def tune(model, runner, buckets: list[int], attention: list[str], tokens: int, norm_backend: str,
+         invariant: bool) -> Choices:
+    """Time every choice for this model (egemma.engine.model.Encoder) on this device: attention among the candidates
+    given, the elementwise ops' backend as norm_backend says (auto: timed). runner: its
+    egemma.engine.graphs.GraphRunner (None on CPU), whose graphs' attention and layer stack are timed as captured."""
+    t0 = time.perf_counter()
+    c, dev, dtype = model.cfg, model.device, model.dtype
+    if dev.type == "cuda":
+        warm_clocks(dev)
+    norms = _norms(norm_backend, dev, dtype, c.hidden, c.intermediate, tokens)
+    mlp = _mlp_up(norms, dev, dtype, c.hidden, c.intermediate, buckets, c.layers, invariant)
+    choices = Choices(norms, mlp)
+    cands = [b for b in attention if b != "native"]  # native attention syncs: not capturable
+    if runner is not None and cands:
+        ops = select.build_ops(norms, mlp, dev, dtype, c.hidden, buckets, invariant)
+        keys = runner.keys
+        if len(cands) == 1:
+            picks = [[cands[0]] * len(keys)] * 2
+        else:
+            picks = [best([runner.attention_ms(k, ops, cands, sliding) for k in keys], invariant)
+                     for sliding in (True, False)]
+        choices.attention = {runner.name(k): [picks[0][i], picks[1][i]] for i, k in enumerate(keys)}
+        if not invariant:  # the layer stack computes in another order than the layered forward: never invariant
+            for k in keys:
+                pair = tuple(choices.attention[runner.name(k)])
+                if k[0] <= STACK_TOKENS and runner.stack_supported(k):
+                    ms = {s: runner.forward_ms(k, ops, pair, s) for s in (False, True)}
+                    log.info("egemma: %d tokens: the layer stack as one kernel %.3f ms, layered %.3f ms a forward",
+                             k[0], ms[True], ms[False])
+                    if ms[True] < ms[False]:
+                        choices.stack.append(runner.name(k))
+    choices.seconds = round(time.perf_counter() - t0, 2)
+    return choices
