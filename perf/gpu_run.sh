@@ -26,6 +26,8 @@
 #                        carry .gpu/gateway-deps.tar.xz beside the server set; $EGEMMA_GATEWAY_ARGS go to it
 #   memory               perf/memory_engine.py: GPU memory of one engine per stage and variant, with replay times;
 #                        $EGEMMA_MEMORY_ARGS go to it (e.g. --variant NAME:PYTORCH_CUDA_ALLOC_CONF=...,max_tokens=N)
+#   determinism          perf/determinism.py: batch invariance of the engine (deterministic and per-bucket choices), its
+#                        cost per workload, and a server's instances sharing one tuning file and one bit pattern
 #   front                perf/bench_front.py: one query over HTTP direct to Triton vs through the gateway (p50/p99,
 #                        interleaved), and the largest request (64 x 1 MB over gRPC) split per model; carry
 #                        .gpu/gateway-deps.tar.xz as for `gateway`; $EGEMMA_FRONT_ARGS go to it
@@ -114,6 +116,9 @@ for step in "$@"; do
         | grep -v "^\[transformers\]" | tail -n 12
       cp /tmp/front/front.json /tmp/front/server.log "$OUT/" 2>/dev/null
       grep -h "CUDA graphs captured" /tmp/front/server.log | cut -c1-300 ;;
+    determinism)
+      python3 perf/determinism.py "$FULL" --out "$OUT/determinism.json" 2>&1 | grep -v "^\[transformers\]" \
+        | tee "$OUT/determinism.log" | grep -v "^I1\|^W1\|^E1" | tail -n 20 ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
   esac
 done

@@ -1,0 +1,135 @@
+"""Issue #37 on the GPU host, one process: (1) batch invariance of the engine, deterministic and not: texts of 5 to
+2046 tokens each alone and inside >= 20 compositions of 1-64 mixed rows, rows compared bit for bit; (2) its cost:
+embed()'s wall time (synchronised) per workload, deterministic against not; (3) a real server with its default
+encoder instances and a fresh cache directory: the tuning log lines (one instance tunes, the others read), one bit
+pattern per text across instances and compositions, then a restart that reads the file; start times of both.
+
+  python perf/determinism.py CHECKPOINT [--out results.json] [--skip-server]"""
+import argparse
+import concurrent.futures as cf
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from egemma.engine import Engine, EngineConfig
+
+LENGTHS = [5, 16, 17, 100, 511, 777, 1500, 2046]
+
+
+def seqs_of(lengths, vocab, rng):
+    return [np.concatenate([[2], rng.integers(4, vocab, n - 2), [1]]).astype(np.int32) for n in lengths]
+
+
+def compositions(rng, pool, count=24):
+    sizes = [1, 2, 64, 63, 17, 32] + rng.integers(1, 65, count - 6).tolist()
+    return [rng.choice(len(pool), size=s, replace=True).tolist() for s in sizes]
+
+
+def invariance(eng, rng):
+    probe = seqs_of(LENGTHS, eng.cfg.vocab_size, rng)
+    pool = probe + seqs_of(np.clip(rng.lognormal(np.log(180), 0.9, 120), 3, 2048).astype(int), eng.cfg.vocab_size, rng)
+    alone = np.concatenate([eng.embed([s]) for s in pool])
+    equal = total = 0
+    worst = 0.0
+    for batch in compositions(rng, pool):
+        got = eng.embed([pool[i] for i in batch])
+        for j, i in enumerate(batch):
+            total += 1
+            equal += bool(np.array_equal(got[j], alone[i]))
+            worst = max(worst, float(np.abs(got[j] - alone[i]).max()))
+    return {"rows": total, "bitwise_equal": equal, "max_abs_diff": worst}
+
+
+def cost(eng, rng, reps=30):
+    v = eng.cfg.vocab_size
+    work = {"w1 8x2048": seqs_of([2048] * 8, v, rng), "one query 1x16": seqs_of([16], v, rng),
+            "c=128 batch 29x20": seqs_of([20] * 29, v, rng),
+            "corpus 32 docs": seqs_of(np.clip(rng.lognormal(np.log(180), 0.9, 32), 3, 2048).astype(int), v, rng)}
+    out = {}
+    for name, s in work.items():
+        for _ in range(3):
+            eng.embed(s)
+        ts = []
+        for _ in range(reps):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            eng.embed(s)
+            ts.append((time.perf_counter() - t0) * 1e3)
+        out[name] = statistics.median(ts)
+    return out
+
+
+def server_check(checkpoint, rng):
+    import tritonclient.grpc as grpcclient
+    from egemma.ops.tritonserver import TritonServer, free_port
+    texts = [" ".join(rng.choice(["Mars", "is", "red", "kalo", "日本", "x", "the", "planet"], n)) for n in
+             [3, 10, 50, 200, 700, 1500, 3000]] * 2
+    cache = Path(tempfile.mkdtemp(prefix="egemma-cache-"))
+    os.environ["EGEMMA_CACHE_DIR"] = str(cache)
+    out = {}
+    for start in ("first", "restart"):
+        log = Path(tempfile.mkdtemp()) / "server.log"
+        t0 = time.perf_counter()
+        with open(log, "w") as lf, TritonServer(Path(checkpoint), http_port=free_port(), grpc_port=free_port(),
+                                                  metrics_port=free_port(), log_file=lf) as s:
+            ready = time.perf_counter() - t0
+            c = grpcclient.InferenceServerClient(s.grpc_url)
+
+            def ask(rows):
+                t = grpcclient.InferInput("TEXT", [len(rows), 1], "BYTES")
+                t.set_data_from_numpy(np.array([[texts[i].encode()] for i in rows], dtype=object))
+                return grpcclient.InferenceServerClient(s.grpc_url).infer("embeddinggemma", [t]).as_numpy("EMBEDDING")
+            alone = np.concatenate([ask([i]) for i in range(len(texts))])
+            jobs = [[i] for i in range(len(texts))] * 6 + compositions(rng, texts)
+            with cf.ThreadPoolExecutor(16) as pool:
+                outs = list(pool.map(ask, jobs))
+            equal = sum(bool(np.array_equal(o[j], alone[i])) for b, o in zip(jobs, outs) for j, i in enumerate(b))
+            rows = sum(len(b) for b in jobs)
+            del c
+        text = log.read_text(errors="replace")
+        out[start] = {"ready_s": round(ready, 1), "tuned": text.count("tuning: tuned in"),
+                      "read": text.count("tuning: read"), "rows": rows, "bitwise_equal": equal,
+                      "choices": [ln.split("deterministic=")[-1][:300] for ln in text.splitlines()
+                                  if "deterministic=" in ln][:1]}
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("checkpoint")
+    ap.add_argument("--out")
+    ap.add_argument("--skip-server", action="store_true")
+    a = ap.parse_args()
+    res = {}
+    os.environ["EGEMMA_CACHE_DIR"] = tempfile.mkdtemp(prefix="egemma-cache-")
+    for det in (True, False):
+        rng = np.random.default_rng(0)
+        t0 = time.perf_counter()
+        eng = Engine(EngineConfig(a.checkpoint, deterministic=det))
+        r = {"load_s": round(time.perf_counter() - t0, 1), "choices": eng.choices.summary(),
+             "invariance": invariance(eng, rng), "cost_ms": cost(eng, rng)}
+        res["deterministic" if det else "per-bucket"] = r
+        print(f"deterministic={det}: load {r['load_s']}s, {r['choices']}\n  invariance {r['invariance']}", flush=True)
+        del eng
+        torch.cuda.empty_cache()
+    d, p = res["deterministic"]["cost_ms"], res["per-bucket"]["cost_ms"]
+    print(f"{'workload':<20}{'per-bucket ms':>14}{'deterministic ms':>18}{'cost':>8}")
+    for k in d:
+        print(f"{k:<20}{p[k]:>14.3f}{d[k]:>18.3f}{(d[k] / p[k] - 1) * 100:>7.1f}%")
+    if not a.skip_server:
+        res["server"] = server_check(a.checkpoint, np.random.default_rng(1))
+        print("server:", json.dumps(res["server"]))
+    if a.out:
+        Path(a.out).write_text(json.dumps(res, indent=1))
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
