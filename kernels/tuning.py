@@ -84,8 +84,16 @@ def fingerprint(device: torch.device, **settings) -> dict:
     if device.type == "cuda":
         p = torch.cuda.get_device_properties(device)
         fp["gpu"] = {"name": p.name, "capability": [p.major, p.minor], "sms": p.multi_processor_count,
-                     "driver": torch._C._cuda_getDriverVersion(), "cuda": torch.version.cuda}
+                     "driver": _driver(), "cuda": torch.version.cuda}
     return fp
+
+
+def _driver() -> str | None:
+    """The NVIDIA kernel driver's version line (Linux), which the GPU's kernels' timing also depends on."""
+    try:
+        return Path("/proc/driver/nvidia/version").read_text().splitlines()[0].strip()
+    except (OSError, IndexError):
+        return None
 
 
 def _read(path: Path, fp: dict) -> tuple[Choices | None, str | None]:

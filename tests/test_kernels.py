@@ -154,11 +154,11 @@ def test_invariant_ops_give_a_row_the_same_bits_in_any_batch(backend):
     if backend not in available_norm_backends(DEV):
         pytest.skip(f"{backend} not installed")
     ops, big, few, D = make_ops(backend, DEV, DTYPE, 768, invariant=True), 5000, 7, 768
-    x, r, w = rand(big, D, scale=3), rand(big, D, scale=10), rand(D, scale=0.5)
+    x, r, w, qkv = rand(big, D, scale=3), rand(big, D, scale=10), rand(D, scale=0.5), rand(1, 1280)
     for f in (lambda T: ops.norm_add_rstd(x[:T].clone(), r[:T].clone(), w, 1e-6),
               lambda T: ops.norm_add_norm(x[:T].clone(), r[:T].clone(), w, w, 1e-6),
               lambda T: ops.embed(torch.arange(T, device=DEV) % 1000, x[:1000].contiguous(), 27.7, 1e-6)[1],
-              lambda T: ops.qk_norm_rope(rand(1, 1280).expand(T, 1280).contiguous(), torch.zeros(T, dtype=torch.long,
+              lambda T: ops.qk_norm_rope(qkv.expand(T, 1280).contiguous(), torch.zeros(T, dtype=torch.long,
                                          device=DEV), w[:256], w[:256], *native.rope_table(1e4, 256, 8, DEV), 3, 1,
                                          1e-6, torch.ones(T, device=DEV))[0],
               lambda T: ops.mean_pool(x[:T], torch.tensor([0, 5, T], dtype=torch.int32, device=DEV), 2)[:1]):
