@@ -30,6 +30,8 @@ import torch
 
 from egemma.kernels import select
 
+# long: every load-time choice of the engine in one module, with its file, as issue #37 asks
+
 log = logging.getLogger("egemma")
 SCHEMA = 1
 STACK_TOKENS = 16  # graphs offered the layer stack: it won at 16 tokens, lost by half at 32 (RESULTS runs 86-87)
@@ -187,14 +189,26 @@ def _norms(backend, device, dtype, hidden, intermediate, tokens) -> dict[str, st
     return out
 
 
-def best(times: list[dict[str, float]], invariant: bool) -> list[str]:
-    """The fastest candidate at each size; invariant: the one candidate fastest over all of them together (the least
-    mean time relative to each size's fastest), for every size."""
+def best(times: list[dict[str, float]], invariant: bool, families: list[list[str]] | None = None) -> list[str]:
+    """The fastest candidate at each size. Invariant: only within one family of candidates that compute the same
+    bits (default: each alone), the family fastest over all sizes together (the least mean time of its fastest
+    relative to each size's fastest)."""
     if not invariant:
         return [min(t, key=t.get) for t in times]
-    common = set.intersection(*(set(t) for t in times))
-    pick = min(sorted(common), key=lambda c: sum(t[c] / min(t.values()) for t in times))
-    return [pick] * len(times)
+    fams = [f for f in (families or [[c] for c in sorted(set.intersection(*(set(t) for t in times)))])
+            if all(set(f) & set(t) for t in times)]
+    pick = min(fams, key=lambda f: sum(min(t[c] for c in f if c in t) / min(t.values()) for t in times))
+    return [min((c for c in pick if c in t), key=t.get) for t in times]
+
+
+def families(outputs: dict[str, torch.Tensor]) -> list[list[str]]:
+    """Candidates grouped by the bits they compute on one probe: those with equal bits sum in the same order (a
+    fused tile's K steps do not depend on its M and N blocks), so a batch-invariant engine may mix them."""
+    out: list[list[str]] = []
+    for name, y in outputs.items():
+        fam = next((f for f in out if torch.equal(outputs[f[0]], y)), None)
+        fam.append(name) if fam is not None else out.append([name])
+    return out
 
 
 def _mlp_up(norms, device, dtype, hidden, intermediate, buckets, layers, invariant) -> list[str]:
@@ -206,19 +220,24 @@ def _mlp_up(norms, device, dtype, hidden, intermediate, buckets, layers, invaria
     from triton.runtime.errors import OutOfResources
     ws = [torch.randn(2 * intermediate, hidden, device=device, dtype=dtype) / hidden ** 0.5 for _ in range(layers)]
     w_post = torch.randn(hidden, device=device, dtype=dtype) * 0.1
-    times = []
+    fns = {n: select.build_ops(norms, [n], device, dtype, hidden, invariant=invariant).mlp_up for n in cands}
+    times, probe = [], {}
     for t in buckets:
         x = torch.randn(t, hidden, device=device, dtype=dtype)
         residual = torch.randn(t, hidden, device=device, dtype=dtype) * 10
         at = {}
-        for name in cands:
-            f = select.build_ops(norms, [name], device, dtype, hidden, invariant=invariant).mlp_up
+        for name, f in fns.items():
             try:
                 at[name] = select.time_layers(lambda i, f=f: f(x, residual, w_post, ws[i], 1e-6), layers)
             except OutOfResources as e:  # a tile too large for this GPU's shared memory: not a candidate here
                 log.info("egemma: mlp_up tile %s does not fit %s: %s", name, device, e)
         times.append(at)
-    return best(times, invariant)
+    if invariant:  # which candidates compute the same bits: one probe batch through each that ran
+        x = torch.randn(300, hidden, device=device, dtype=dtype)
+        residual = torch.randn(300, hidden, device=device, dtype=dtype) * 10
+        probe = {n: f(x.clone(), residual.clone(), w_post, ws[0], 1e-6) for n, f in fns.items()
+                 if all(n in t for t in times)}
+    return best(times, invariant, families(probe) if probe else None)
 
 
 def tune(model, runner, buckets: list[int], attention: list[str], tokens: int, norm_backend: str,

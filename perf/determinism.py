@@ -4,7 +4,11 @@ embed()'s wall time (synchronised) per workload, deterministic against not; (3) 
 encoder instances and a fresh cache directory: the tuning log lines (one instance tunes, the others read), one bit
 pattern per text across instances and compositions, then a restart that reads the file; start times of both.
 
-  python perf/determinism.py CHECKPOINT [--out results.json] [--skip-server]"""
+With --serve, the cost end to end through Triton over gRPC (perf_analyzer: w1 8 x 2048, one query, c=128 single
+texts, a corpus mix of 32 documents a request at 16 in flight), deterministic against not; with --cache, Triton's
+response cache (--response-cache-mb) off and on for a Zipf stream of 10k distinct queries (s = 1.1) at c=128.
+
+  python perf/determinism.py CHECKPOINT [--out results.json] [--skip-server] [--serve] [--cache]"""
 import argparse
 import concurrent.futures as cf
 import json
@@ -101,15 +105,64 @@ def server_check(checkpoint, rng):
     return out
 
 
+WORDS = ("the planet mars is red because iron oxide dust covers its surface water ice sits at the poles "
+         "rovers measure wind dust storms and seasons 日本 語 kalo code def return").split()
+
+
+def words(rng, n: int) -> str:
+    return " ".join(rng.choice(WORDS, int(n)))
+
+
+def serving(checkpoint, tmp: Path, variants: dict, workloads: dict) -> dict:
+    """{variant: {workload: perf_analyzer's result}}, one server a variant (TritonServer kwargs), the same data."""
+    from bench_serve import pa_data, perf_analyzer
+    from egemma.ops.tritonserver import TritonServer, free_port
+    log, out = open(tmp / "perf_analyzer.log", "w"), {}
+    files = {}
+    for name, (texts, _) in workloads.items():
+        files[name] = tmp / f"{name}.json"
+        files[name].write_text(json.dumps(pa_data(texts, False)))
+    for variant, kw in variants.items():
+        with open(tmp / f"{variant}.log", "w") as lf, TritonServer(Path(checkpoint), http_port=free_port(),
+                                                                    grpc_port=free_port(), metrics_port=free_port(),
+                                                                    log_file=lf, **kw) as s:
+            out[variant] = {name: perf_analyzer(s.grpc_url, "embeddinggemma", files[name], tmp / f"{variant}-{name}.csv",
+                                                extra, log) for name, (_, extra) in workloads.items()}
+        print(variant, json.dumps(out[variant]), flush=True)
+    return out
+
+
+def serve_cost(checkpoint, rng) -> dict:
+    tmp = Path(tempfile.mkdtemp(prefix="egemma-serve-"))
+    corpus = [words(rng, n) for n in np.clip(rng.lognormal(np.log(140), 0.9, 4096), 2, 1600)]
+    work = {"w1": ([words(rng, 2100) for _ in range(16)], ["-b", "8", "--concurrency-range", "1"]),
+            "one_query": ([words(rng, 12)], ["--concurrency-range", "1"]),
+            "c128": ([words(rng, 15) for _ in range(512)], ["--concurrency-range", "128"]),
+            "corpus": (corpus, ["-b", "32", "--concurrency-range", "16"])}
+    return serving(checkpoint, tmp, {f"deterministic={d}": {"params": {"deterministic": d}} for d in ("false", "true")},
+                   work)
+
+
+def cache_bench(checkpoint, rng) -> dict:
+    tmp = Path(tempfile.mkdtemp(prefix="egemma-cache-bench-"))
+    distinct = [f"{words(rng, rng.integers(4, 16))} {i}" for i in range(10_000)]
+    stream = [distinct[i] for i in (rng.zipf(1.1, 60_000) - 1) % len(distinct)]
+    work = {"zipf_c128": (stream, ["--concurrency-range", "128"])}
+    return serving(checkpoint, tmp, {"cache off": {}, "cache 512 MiB": {"response_cache_mb": 512}}, work)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("checkpoint")
     ap.add_argument("--out")
     ap.add_argument("--skip-server", action="store_true")
+    ap.add_argument("--skip-engine", action="store_true")
+    ap.add_argument("--serve", action="store_true")
+    ap.add_argument("--cache", action="store_true")
     a = ap.parse_args()
     res = {}
     os.environ["EGEMMA_CACHE_DIR"] = tempfile.mkdtemp(prefix="egemma-cache-")
-    for det in (True, False):
+    for det in () if a.skip_engine else (True, False):
         rng = np.random.default_rng(0)
         t0 = time.perf_counter()
         eng = Engine(EngineConfig(a.checkpoint, deterministic=det))
@@ -119,10 +172,15 @@ def main():
         print(f"deterministic={det}: load {r['load_s']}s, {r['choices']}\n  invariance {r['invariance']}", flush=True)
         del eng
         torch.cuda.empty_cache()
-    d, p = res["deterministic"]["cost_ms"], res["per-bucket"]["cost_ms"]
-    print(f"{'workload':<20}{'per-bucket ms':>14}{'deterministic ms':>18}{'cost':>8}")
-    for k in d:
-        print(f"{k:<20}{p[k]:>14.3f}{d[k]:>18.3f}{(d[k] / p[k] - 1) * 100:>7.1f}%")
+    if not a.skip_engine:
+        d, p = res["deterministic"]["cost_ms"], res["per-bucket"]["cost_ms"]
+        print(f"{'workload':<20}{'per-bucket ms':>14}{'deterministic ms':>18}{'cost':>8}")
+        for k in d:
+            print(f"{k:<20}{p[k]:>14.3f}{d[k]:>18.3f}{(d[k] / p[k] - 1) * 100:>7.1f}%")
+    if a.serve:
+        res["serve"] = serve_cost(a.checkpoint, np.random.default_rng(2))
+    if a.cache:
+        res["cache"] = cache_bench(a.checkpoint, np.random.default_rng(3))
     if not a.skip_server:
         res["server"] = server_check(a.checkpoint, np.random.default_rng(1))
         print("server:", json.dumps(res["server"]))

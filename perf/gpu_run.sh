@@ -27,7 +27,8 @@
 #   memory               perf/memory_engine.py: GPU memory of one engine per stage and variant, with replay times;
 #                        $EGEMMA_MEMORY_ARGS go to it (e.g. --variant NAME:PYTORCH_CUDA_ALLOC_CONF=...,max_tokens=N)
 #   determinism          perf/determinism.py: batch invariance of the engine (deterministic and per-bucket choices), its
-#                        cost per workload, and a server's instances sharing one tuning file and one bit pattern
+#                        cost per workload, and a server's instances sharing one tuning file and one bit pattern;
+#                        $EGEMMA_DETERMINISM_ARGS go to it (--serve: the cost end to end; --cache: the Zipf cache bench)
 #   front                perf/bench_front.py: one query over HTTP direct to Triton vs through the gateway (p50/p99,
 #                        interleaved), and the largest request (64 x 1 MB over gRPC) split per model; carry
 #                        .gpu/gateway-deps.tar.xz as for `gateway`; $EGEMMA_FRONT_ARGS go to it
@@ -117,7 +118,8 @@ for step in "$@"; do
       cp /tmp/front/front.json /tmp/front/server.log "$OUT/" 2>/dev/null
       grep -h "CUDA graphs captured" /tmp/front/server.log | cut -c1-300 ;;
     determinism)
-      python3 perf/determinism.py "$FULL" --out "$OUT/determinism.json" 2>&1 | grep -v "^\[transformers\]" \
+      # shellcheck disable=SC2086  # the extra arguments are meant to split on spaces
+      python3 perf/determinism.py "$FULL" --out "$OUT/determinism.json" ${EGEMMA_DETERMINISM_ARGS:-} 2>&1 | grep -v "^\[transformers\]" \
         | tee "$OUT/determinism.log" | grep -v "^I1\|^W1\|^E1" | tail -n 20 ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
   esac
