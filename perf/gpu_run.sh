@@ -29,6 +29,12 @@
 #   front                perf/bench_front.py: one query over HTTP direct to Triton vs through the gateway (p50/p99,
 #                        interleaved), and the largest request (64 x 1 MB over gRPC) split per model; carry
 #                        .gpu/gateway-deps.tar.xz as for `gateway`; $EGEMMA_FRONT_ARGS go to it
+#   peers-stage          perf/peers_stage.sh: add the carried part(s) of the peers' bundle (.gpu/peers/, vLLM 0.26.0 +
+#                        Infinity 0.0.78 and what the host lacks for them) to /tmp/peers; once all are there, unpack
+#                        and check their imports. One part per call, calls back to back (a warm machine keeps /tmp)
+#   peers                perf/peers.py: ours (gateway OpenAI route + gRPC), sentence-transformers behind Triton,
+#                        Infinity and vLLM on the same texts through one client; $EGEMMA_PEERS_ARGS go to it (e.g.
+#                        "--servers infinity,vllm"); runs peers-stage first. Results in $OUT/peers.json + logs
 # Full logs and JSON go to $OUT. Needs .gpu/activate.sh and the archives named in perf/RESULTS.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -114,6 +120,14 @@ for step in "$@"; do
         | grep -v "^\[transformers\]" | tail -n 12
       cp /tmp/front/front.json /tmp/front/server.log "$OUT/" 2>/dev/null
       grep -h "CUDA graphs captured" /tmp/front/server.log | cut -c1-300 ;;
+    peers-stage) bash perf/peers_stage.sh ;;
+    peers)
+      bash perf/peers_stage.sh
+      # shellcheck disable=SC2086  # the extra arguments are meant to split on spaces
+      (cd perf && python3 peers.py "$FULL" --out /tmp/peers-out ${EGEMMA_PEERS_ARGS:-} 2>&1 | tee "$OUT/peers.log" \
+        | grep -v "^\[transformers\]" | grep -E "^(workloads|[a-z-]+: (ready|FAILED|[0-9]+ s)|\|)" | cut -c1-400)
+      cp /tmp/peers-out/results.json "$OUT/peers.json" 2>/dev/null
+      tar czf "$OUT/peers-logs.tgz" -C /tmp/peers-out --exclude ours-run . 2>/dev/null ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
   esac
 done
