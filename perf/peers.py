@@ -148,17 +148,13 @@ def st(ckpt: Path, out: Path, a):
         yield {"st": Target("grpc", s.grpc_url, "st_bf16", "TEXT_UTF8")}
 
 
-def _gpu() -> bool:
-    import torch
-    return torch.cuda.is_available()
-
-
 @contextmanager
 def infinity(ckpt: Path, out: Path, a):
-    port = free_port()
+    import torch
+    port, gpu = free_port(), torch.cuda.is_available()
     cmd = [a.peer_python, "-m", "infinity_emb.cli", "v2", "--model-id", str(ckpt), "--served-model-name", NAME,
-           "--engine", "torch", "--device", "cuda" if _gpu() else "cpu", "--port", str(port), "--host", "127.0.0.1"]
-    if _gpu():
+           "--engine", "torch", "--device", "cuda" if gpu else "cpu", "--port", str(port), "--host", "127.0.0.1"]
+    if gpu:
         cmd += ["--dtype", "bfloat16", "--batch-size", "128", "--compile", "true"]
     env = {"PYTHONPATH": str(a.peers_dir / "infinity"), "INFINITY_ANONYMOUS_USAGE_STATS": "0",
            "INFINITY_BETTERTRANSFORMER": "false", "HF_HUB_OFFLINE": "1"}
