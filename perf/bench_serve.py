@@ -78,7 +78,7 @@ def tokenizer_times(tok: TextTokenizer, checkpoint: Path, texts: dict) -> dict:
         if k in texts:
             batches = [texts[k][i:i + 8] for i in range(0, len(texts[k]), 8)]
             runs += [(label, batches[:1] * 2 + batches, f"{name} fresh", f, 0.0) for name, f in ours]
-    # as in w1, where the tokenizer waits ~15 ms for the encoder between requests: is it slower from cold?
+    # as in w1, where the tokenizer waits for the encoder's forward between requests: is it slower from cold?
     runs.append(("8x2048", [texts["w1"][:8]] * 22, "ours 20 ms apart", tok.encode, 0.02))
     for label, batches, name, f, gap in runs:
         ts = []
