@@ -25,8 +25,9 @@ SETTINGS = {
                 "https://michaelfeil.github.io/infinity (cli_v2)",
     "infinity-eager": "as infinity with --compile false (run when the compiled one did not start)",
     "vllm": "--runner pooling --dtype bfloat16 --max-model-len 2048 --max-num-batched-tokens 16384 "
-            "(8 x 2048 in one step; the H100-class default is 8192) --gpu-memory-utilization 0.5, torch.compile and "
-            "CUDA graphs on (default); docs.vllm.ai models/pooling_models, configuration/optimization",
+            "(8 x 2048 in one step; the H100-class default is 8192) --gpu-memory-utilization 0.5, -O2 (the default: "
+            "torch.compile + FULL_AND_PIECEWISE CUDA graphs); docs.vllm.ai models/pooling_models, "
+            "configuration/optimization, design/optimization_levels",
 }
 
 
