@@ -65,10 +65,14 @@ def make_chars(tok: TextTokenizer, corpus: str, n_tokens: int, rng: random.Rando
 
 def make_text(tok: TextTokenizer, words: list[str], n_tokens: int, rng: random.Random, within: bool = False) -> str:
     """The fewest words from a random start that reach n_tokens (specials included); within: the most words that
-    stay within n_tokens instead (a text no server truncates or rejects at a limit of n_tokens)."""
-    start = rng.randrange(0, len(words) - 4 * n_tokens)
-    k = _fewest(lambda m: tok.untruncated_length(" ".join(words[start:start + m])), n_tokens + within, 4 * n_tokens)
-    return " ".join(words[start:start + k - within])
+    stay within n_tokens instead (a text no server truncates or rejects at a limit of n_tokens; another start where
+    the first word alone is over)."""
+    while True:
+        start = rng.randrange(0, len(words) - 4 * n_tokens)
+        k = _fewest(lambda m: tok.untruncated_length(" ".join(words[start:start + m])), n_tokens + within,
+                    4 * n_tokens)
+        if k > within:
+            return " ".join(words[start:start + k - within])
 
 
 def lognormal_docs(tok: TextTokenizer, words: list[str], n: int, rng: random.Random, median: int = 180,
