@@ -20,10 +20,10 @@ SETTINGS = {
     "ours": "defaults (python -m egemma.ops.launcher: encoder 3 / tokenizer instances by cores, CUDA graphs, FA3 "
             "where carried); README 'Two commands'",
     "st": "SentenceTransformer(...).to(bfloat16).encode of each dynamic batch (perf/baseline_repository)",
-    "infinity": "v2 --engine torch --dtype bfloat16 --batch-size 128 --compile true, bettertransformer off "
+    "infinity": "v2 --engine torch --dtype bfloat16 --batch-size 128 --compile (its default) --no-bettertransformer "
                 "(optimum's BetterTransformer has no Gemma3); `infinity_emb v2 --help`, "
                 "https://michaelfeil.github.io/infinity (cli_v2)",
-    "infinity-eager": "as infinity with --compile false (run when the compiled one did not start)",
+    "infinity-eager": "as infinity with --no-compile (run when the compiled one did not start)",
     "vllm": "--runner pooling --dtype bfloat16 --max-model-len 2048 --max-num-batched-tokens 16384 "
             "(8 x 2048 in one step; the H100-class default is 8192) --gpu-memory-utilization 0.5, -O2 (the default: "
             "torch.compile + FULL_AND_PIECEWISE CUDA graphs); docs.vllm.ai models/pooling_models, "
@@ -91,11 +91,10 @@ def infinity(ckpt: Path, out: Path, a, compile_: bool = True):
     import torch
     port, gpu = free_port(), torch.cuda.is_available()
     cmd = [a.peer_python, "-m", "infinity_emb.cli", "v2", "--model-id", str(ckpt), "--served-model-name", NAME,
-           "--engine", "torch", "--device", "cuda" if gpu else "cpu", "--port", str(port), "--host", "127.0.0.1"]
+           "--engine", "torch", "--device", "cuda" if gpu else "cpu", "--port", str(port), "--host", "127.0.0.1", "--no-bettertransformer"]
     if gpu:
-        cmd += ["--dtype", "bfloat16", "--batch-size", "128", "--compile", str(compile_).lower()]
-    env = {"PYTHONPATH": str(a.peers_dir / "infinity"), "INFINITY_ANONYMOUS_USAGE_STATS": "0",
-           "INFINITY_BETTERTRANSFORMER": "false", "HF_HUB_OFFLINE": "1"}
+        cmd += ["--dtype", "bfloat16", "--batch-size", "128", "--compile" if compile_ else "--no-compile"]
+    env = {"PYTHONPATH": str(a.peers_dir / "infinity"), "INFINITY_ANONYMOUS_USAGE_STATS": "0", "HF_HUB_OFFLINE": "1"}
     name = "infinity" if compile_ else "infinity-eager"
     with process(cmd, f"http://127.0.0.1:{port}/models", out / f"server_{name}.log", 300, env):
         yield {name: Target("openai", f"http://127.0.0.1:{port}/embeddings", NAME)}
