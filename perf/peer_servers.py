@@ -2,6 +2,7 @@
 stopped after: ours (egemma.ops.launcher with its defaults: gateway, watchdog, instance counts), sentence-transformers
 behind the same Triton (perf/baseline_repository), Infinity and vLLM (from perf/peers_stage.sh's folders, on
 PYTHONPATH for their own process only). Each starter is a context manager yielding {row name: loadgen.Target}."""
+import importlib.util
 import os
 import signal
 import subprocess
@@ -71,7 +72,10 @@ def ours(ckpt: Path, out: Path, a):
     http, grpc, metrics = free_port(), free_port(), free_port()
     cmd = [sys.executable, "-m", "egemma.ops.launcher", "--model", str(ckpt), "--http-port", str(http),
            "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--run-dir", str(out / "ours-run")]
-    with process(cmd, f"http://127.0.0.1:{http}/v2/health/ready", out / "server_ours.log", 300):
+    # the gateway's orjson from the peers' bundle where this Python has none (perf/peers_stage.sh)
+    extra = [str(a.peers_dir / "gateway")] if importlib.util.find_spec("orjson") is None else []
+    env = {"PYTHONPATH": os.pathsep.join([os.environ.get("PYTHONPATH", ""), *extra]).strip(os.pathsep)} if extra else {}
+    with process(cmd, f"http://127.0.0.1:{http}/v2/health/ready", out / "server_ours.log", 300, env):
         yield {"ours-http": Target("openai", f"http://127.0.0.1:{http}/v1/embeddings", NAME),
                "ours-grpc": Target("grpc", f"127.0.0.1:{grpc}", "embeddinggemma")}
 
@@ -91,7 +95,8 @@ def infinity(ckpt: Path, out: Path, a, compile_: bool = True):
     import torch
     port, gpu = free_port(), torch.cuda.is_available()
     cmd = [a.peer_python, "-m", "infinity_emb.cli", "v2", "--model-id", str(ckpt), "--served-model-name", NAME,
-           "--engine", "torch", "--device", "cuda" if gpu else "cpu", "--port", str(port), "--host", "127.0.0.1", "--no-bettertransformer"]
+           "--engine", "torch", "--device", "cuda" if gpu else "cpu", "--port", str(port), "--host", "127.0.0.1",
+           "--no-bettertransformer"]
     if gpu:
         cmd += ["--dtype", "bfloat16", "--batch-size", "128", "--compile" if compile_ else "--no-compile"]
     env = {"PYTHONPATH": str(a.peers_dir / "infinity"), "INFINITY_ANONYMOUS_USAGE_STATS": "0", "HF_HUB_OFFLINE": "1"}

@@ -6,7 +6,8 @@
 #   bash perf/peers_stage.sh        (gpu_run.sh step `peers-stage`; `peers` calls it too)
 # Carried: .gpu/peers/peers-bundle.tar.partN (N = 0 .. parts-1) and .gpu/peers/peers-bundle.sha256, whose first
 # line is `<sha256>  peers-bundle.tar` and second `parts <count>`. Result: /tmp/peers/vllm and /tmp/peers/infinity,
-# each a folder for PYTHONPATH (perf/peers.py puts it there for that server's process only).
+# each a folder for PYTHONPATH (perf/peers.py puts it there for that server's process only), and /tmp/peers/gateway
+# (orjson, which our gateway needs, for a call that carries no .gpu/gateway-deps.tar.xz).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 P=/tmp/peers
@@ -32,7 +33,9 @@ else
         mkdir -p "$P/$name" && tar xJf "$P"/"$name"-*-site.tar.xz -C "$P/$name" && touch "$P/$name/.done" \
           && rm -f "$P"/"$name"-*-site.tar.xz
       done
-      echo "peers: unpacked into $P/vllm and $P/infinity ($(du -sh "$P" | cut -f1))"
+      # orjson alone, for our gateway (the host has its aiohttp and uvloop, not orjson): the same cp312 wheel's files
+      mkdir -p "$P/gateway" && cp -r "$P"/infinity/orjson "$P"/infinity/orjson-*.dist-info "$P/gateway/"
+      echo "peers: unpacked into $P/vllm, $P/infinity and $P/gateway ($(du -sh "$P" | cut -f1))"
     fi
   fi
 fi
