@@ -124,9 +124,9 @@ for step in "$@"; do
     peers)
       bash perf/peers_stage.sh
       # shellcheck disable=SC2086  # the extra arguments are meant to split on spaces
-      (cd perf && python3 peers.py "$FULL" --out /tmp/peers-out ${EGEMMA_PEERS_ARGS:-} 2>&1 | tee "$OUT/peers.log" \
+      (cd perf && python3 peers.py "$FULL" --out /tmp/peers-out --results "$OUT/peers.json" ${EGEMMA_PEERS_ARGS:-} 2>&1 \
+        | tee "$OUT/peers.log" \
         | grep -v "^\[transformers\]" | grep -E "^(workloads|[a-z-]+: (ready|FAILED|[0-9]+ s)|\|)" | cut -c1-400)
-      cp /tmp/peers-out/results.json "$OUT/peers.json" 2>/dev/null
       tar czf "$OUT/peers-logs.tgz" -C /tmp/peers-out --exclude ours-run . 2>/dev/null ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
   esac

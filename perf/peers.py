@@ -116,6 +116,7 @@ def main():
     ap.add_argument("--peers-dir", type=Path, default=Path("/tmp/peers"), help="perf/peers_stage.sh's folders")
     ap.add_argument("--peer-python", default=sys.executable, help="the Python that runs Infinity and vLLM (default "
                                                                    "this one; their folders are built for 3.12)")
+    ap.add_argument("--results", type=Path, help="where results.json goes (default: in --out)")
     ap.add_argument("--quick", action="store_true", help="small counts and windows: a CPU smoke run")
     ap.add_argument("--table", type=Path, nargs="+", metavar="RESULTS",
                     help="print one table from these runs' results.json files (or folders holding one)")
@@ -150,7 +151,8 @@ def main():
             if server == "infinity" and "infinity-eager" not in servers:  # said in its own row, never silent
                 servers.append("infinity-eager")
         print(f"{server}: {time.perf_counter() - t0:.0f} s", flush=True)
-    (a.out / "results.json").write_text(json.dumps({"servers": results, "quick": a.quick}, indent=2))
+        # after each server: a call cut short at its time limit keeps the rows it has
+        (a.results or a.out / "results.json").write_text(json.dumps({"servers": results, "quick": a.quick}, indent=2))
     print(table(results))
 
 
