@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import tritonclient.grpc as grpcclient
 
-from bench_serve import counters  # perf/ is on sys.path when run as a script
+from pa import counters  # perf/ is on sys.path when run as a script
 from egemma.ops.tritonserver import TritonServer, free_port
 
 

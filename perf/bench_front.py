@@ -22,7 +22,8 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_serve import make_text, model_stats, prose, stats_delta  # noqa: E402
+from corpora import make_text, prose  # noqa: E402
+from pa import model_stats, stats_delta  # noqa: E402
 
 from egemma.engine.config import ModelConfig  # noqa: E402
 from egemma.engine.tokenizer import TextTokenizer  # noqa: E402

@@ -26,7 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
-from bench_serve import make_text, pa_data, perf_analyzer, prose  # perf/ is on sys.path when run as a script
+from corpora import make_text, prose  # perf/ is on sys.path when run as a script
+from pa import pa_data, perf_analyzer
 from egemma.engine.config import ModelConfig
 from egemma.engine.tokenizer import TextTokenizer
 from egemma.ops.repository import ROOT

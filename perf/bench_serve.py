@@ -21,22 +21,21 @@ the floor whose encoder sleeps that long an execute as ours waits for its GPU, r
 utilisation, SM clock and power during each. The size of the tokenizer's pieces: perf/tokenizer_pieces.py.
 Writes CSV per perf_analyzer run, results.json, throughput/latency PNG, and prints a summary table."""
 import argparse
-import csv
-import glob
 import json
 import random
 import re
-import shutil
 import statistics
-import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
-import numpy as np
 import tritonclient.grpc as grpcclient
 
+from corpora import cjk, code, make_chars, make_text, prose  # perf/ is on sys.path when run as a script
+from floor import floor_repository
+from gpumon import GpuMonitor, cpu_times
+from pa import counters, model_stats, model_times, pa_data, perf_analyzer, stats_delta, tokenizer_ms_per_text
+from report import plot, summary
 from egemma.engine.config import ModelConfig
 from egemma.ops.repository import ROOT
 from egemma.ops.tritonserver import TritonServer, free_port
@@ -44,127 +43,6 @@ from egemma.engine.tokenizer import TextTokenizer, resolved_tokenizer_json
 
 CONCURRENCY = [1, 16, 64, 128, 256]
 W1_TEXTS = 128
-MODELS = ("embeddinggemma_tokenizer", "embeddinggemma_encoder")
-
-
-def prose() -> list[str]:
-    """Words of real English text: the package descriptions installed on this machine."""
-    words = []
-    for f in sorted(glob.glob(f"{Path(np.__file__).parent.parent}/*.dist-info/METADATA"))[:400]:
-        body = Path(f).read_text(errors="ignore").split("\n\n", 1)[-1]
-        words += re.sub(r"[`*#<>\[\]()|=_]+", " ", body).split()
-    return words
-
-
-def code() -> str:
-    """Real source code with its docstrings and indentation: numpy's own Python files."""
-    return "\n".join(Path(f).read_text(errors="ignore") for f in sorted(glob.glob(f"{Path(np.__file__).parent}/**/*.py",
-                                                                                     recursive=True))[:300])
-
-
-def cjk(cjk_dir: Path | None, rng: random.Random) -> str:
-    """Chinese, Japanese and Korean prose (CPython's cjkencodings test texts), sentences shuffled and repeated to
-    ~200k characters; empty if none is found."""
-    dirs = [cjk_dir] if cjk_dir else [Path(d) for d in glob.glob(f"{sys.base_prefix}/lib/python3*/test/cjkencodings")]
-    sents = [x for d in dirs for f in sorted(d.glob("*-utf8.txt")) for x in re.split(r"(?<=[。．！？\n])", f.read_text())
-             if x.strip()]
-    out, n = [], 0
-    while sents and n < 200_000:
-        rng.shuffle(sents)
-        out += sents
-        n += sum(map(len, sents))
-    return "".join(out)
-
-
-def make_chars(tok: TextTokenizer, corpus: str, n_tokens: int, rng: random.Random) -> str:
-    """The shortest slice of corpus from a random start that reaches n_tokens (specials included)."""
-    start = rng.randrange(0, len(corpus) - 8 * n_tokens)
-    lo, hi = 1, 8 * n_tokens
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if tok.untruncated_length(corpus[start:start + mid]) >= n_tokens:
-            hi = mid
-        else:
-            lo = mid + 1
-    return corpus[start:start + lo]
-
-
-def make_text(tok: TextTokenizer, words: list[str], n_tokens: int, rng: random.Random) -> str:
-    start = rng.randrange(0, len(words) - 4 * n_tokens)
-    lo, hi = 1, 4 * n_tokens
-    while lo < hi:  # fewest words reaching n_tokens (specials included)
-        mid = (lo + hi) // 2
-        if tok.untruncated_length(" ".join(words[start:start + mid])) >= n_tokens:
-            hi = mid
-        else:
-            lo = mid + 1
-    return " ".join(words[start:start + lo])
-
-
-def perf_analyzer(url, model, data, out_csv, extra, log, window_ms=2000, stability=25, trials=6):
-    cmd = ["perf_analyzer", "-m", model, "-i", "grpc", "-u", url, "--input-data", str(data), "-f", str(out_csv),
-           "--measurement-interval", str(window_ms), "--stability-percentage", str(stability),
-           "--max-trials", str(trials), *extra]
-    Path(out_csv).unlink(missing_ok=True)
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    log.write(f"$ {' '.join(cmd)}\n{r.stdout}\n{r.stderr}\n")
-    log.flush()
-    if (r.returncode != 0 or not Path(out_csv).exists()) and stability < 100:
-        if "stable" in r.stdout + r.stderr:  # no 3 windows within `stability` %: report the last ones, marked
-            res = perf_analyzer(url, model, data, out_csv, extra, log, window_ms, 100, 3)
-            return res and {**res, "unstable": True}
-    if r.returncode != 0 or not Path(out_csv).exists():
-        return None
-    row = next(csv.DictReader(open(out_csv)))
-    return {"rps": float(row["Inferences/Second"]), "p50_ms": float(row["p50 latency"]) / 1e3,
-            "p99_ms": float(row["p99 latency"]) / 1e3, "queue_ms": float(row["Server Queue"]) / 1e3,
-            "compute_ms": float(row["Server Compute Infer"]) / 1e3}
-
-
-def model_stats(c) -> dict:
-    """Cumulative per-model counts and times (ns) from Triton's statistics API."""
-    out = {}
-    for m in c.get_inference_statistics(as_json=True).get("model_stats", []):
-        st = m.get("inference_stats", {})
-        out[m["name"]] = {"inferences": int(m.get("inference_count", 0)), "executions": int(m.get("execution_count", 0)),
-                          **{k: int(st.get(k, {}).get("ns", 0)) for k in
-                             ("queue", "compute_input", "compute_infer", "compute_output")}}
-    return out
-
-
-def stats_delta(before, after) -> dict:
-    """Per model in a window: executions, inferences and queue / compute input / infer / output in ms per
-    execution as Triton accounts them: each request adds its execution's duration, so with b requests per
-    execution the value is b x one execution's duration (with one request per execution, the duration)."""
-    out = {}
-    for name, a in after.items():
-        b = before.get(name, {})
-        n = a["executions"] - b.get("executions", 0)
-        if n:
-            out[name] = {"executions": n, "inferences": a["inferences"] - b.get("inferences", 0),
-                         **{k: (a[k] - b.get(k, 0)) / n / 1e6 for k in
-                            ("queue", "compute_input", "compute_infer", "compute_output")}}
-    return out
-
-
-def pa_data(texts: list[str], utf8: bool) -> dict:
-    """perf_analyzer --input-data JSON, one text per entry (with -b N, a request takes N consecutive entries;
-    UINT8 rows are zero-padded to one length so that they batch)."""
-    if utf8:
-        n = max(len(t.encode()) for t in texts)
-        return {"data": [{"TEXT_UTF8": {"content": list(t.encode().ljust(n, b"\0")), "shape": [n]}} for t in texts]}
-    return {"data": [{"TEXT": [t]} for t in texts]}
-
-
-def counters(metrics_url) -> dict[str, float]:
-    """The egemma_* counters on Triton's metrics endpoint, summed over instances (none for other models)."""
-    out = {}
-    with urllib.request.urlopen(f"http://{metrics_url}/metrics", timeout=10) as r:
-        for line in r.read().decode().splitlines():
-            if line.startswith("egemma_"):
-                name, value = line.split("{")[0].split()[0], float(line.rsplit(None, 1)[1])
-                out[name] = out.get(name, 0.0) + value
-    return out
 
 
 def w1(url, metrics_url, model, data, out: Path, name, log):
@@ -181,30 +59,6 @@ def w1(url, metrics_url, model, data, out: Path, name, log):
     if (per_text := tokenizer_ms_per_text(cb, counters(metrics_url))) is not None:
         res["tokenizer_execute_ms"] = 8 * per_text
     return {**res, "per_model_ms_per_execution": stats_delta(before, model_stats(c))}
-
-
-def tokenizer_ms_per_text(cb: dict, ca: dict) -> float | None:
-    """The tokenizer model's own time in execute per text, ms, from its counters between two reads (None: no texts,
-    or the floor, which has no counters). Both counters flush together, so their ratio is exact even with a flush
-    pending."""
-    texts = ca.get("egemma_texts_total", 0) - cb.get("egemma_texts_total", 0)
-    if not texts:
-        return None
-    return 1e3 * (ca["egemma_tokenizer_seconds_total"] - cb.get("egemma_tokenizer_seconds_total", 0)) / texts
-
-
-def model_times(cb: dict, ca: dict) -> dict:
-    """Both models' own times from their counters between two reads: the encoder's per execute, ms, all of execute
-    and the engine's embed in it (what Triton's compute_infer adds around execute is the stub's and the IPC's), and
-    the tokenizer's execute per text."""
-    n = ca.get("egemma_executes_total", 0) - cb.get("egemma_executes_total", 0)
-    if not n or "egemma_encoder_seconds_total" not in ca:  # the floor has no counters
-        return {}
-    out = {f"encoder_{k}_ms": 1e3 * (ca[f"egemma_{s}_seconds_total"] - cb.get(f"egemma_{s}_seconds_total", 0)) / n
-           for k, s in (("execute", "encoder"), ("embed", "embed"))}
-    if (per_text := tokenizer_ms_per_text(cb, ca)) is not None:
-        out["tokenizer_execute_ms_per_text"] = per_text
-    return out
 
 
 def tokenizer_times(tok: TextTokenizer, checkpoint: Path, texts: dict) -> dict:
@@ -224,7 +78,7 @@ def tokenizer_times(tok: TextTokenizer, checkpoint: Path, texts: dict) -> dict:
         if k in texts:
             batches = [texts[k][i:i + 8] for i in range(0, len(texts[k]), 8)]
             runs += [(label, batches[:1] * 2 + batches, f"{name} fresh", f, 0.0) for name, f in ours]
-    # as in w1, where the tokenizer waits ~15 ms for the encoder between requests: is it slower from cold?
+    # as in w1, where the tokenizer waits for the encoder's forward between requests: is it slower from cold?
     runs.append(("8x2048", [texts["w1"][:8]] * 22, "ours 20 ms apart", tok.encode, 0.02))
     for label, batches, name, f, gap in runs:
         ts = []
@@ -235,47 +89,6 @@ def tokenizer_times(tok: TextTokenizer, checkpoint: Path, texts: dict) -> dict:
             ts.append((time.perf_counter() - t0) * 1e3)
         out[f"{label} {name}"] = round(statistics.median(ts[2:]), 3)
     return out
-
-
-def cpu_times() -> tuple[int, int]:
-    """(busy, total) jiffies of all cores so far, from /proc/stat."""
-    v = [int(x) for x in open("/proc/stat").readline().split()[1:]]
-    return sum(v) - v[3] - v[4], sum(v)  # idle and iowait are not busy
-
-
-class GpuMonitor:
-    """nvidia-smi sampling the GPU's utilisation (%), SM clock (MHz) and board power (W) every 200 ms while open into
-    path; `means` after ({} without nvidia-smi). Back to back the 8 x 2048 forward holds the H200 at its power cap
-    (perf/RESULTS.md run 114): the clock says whether a workload ran there."""
-    FIELDS = ("utilization.gpu", "clocks.sm", "power.draw")
-
-    def __init__(self, path: Path):
-        self.path, self.proc, self.means = path, None, {}
-
-    def __enter__(self) -> "GpuMonitor":
-        with open(self.path, "w") as log:  # the child keeps its own descriptor
-            try:
-                self.proc = subprocess.Popen(["nvidia-smi", f"--query-gpu={','.join(self.FIELDS)}",
-                                              "--format=csv,noheader,nounits", "-lms", "200"],
-                                             stdout=log, stderr=subprocess.DEVNULL)
-            except OSError:
-                pass
-        return self
-
-    def __exit__(self, *exc):
-        if self.proc is None:
-            return
-        self.proc.terminate()
-        self.proc.wait()
-        rows = []
-        for line in open(self.path).read().splitlines():
-            try:
-                rows.append([float(v) for v in line.split(",")])
-            except ValueError:  # [N/A] where the GPU does not report one
-                continue
-        rows = [r for r in rows if len(r) == len(self.FIELDS)]
-        if rows:
-            self.means = {f: statistics.mean(r[i] for r in rows) for i, f in enumerate(self.FIELDS)}
 
 
 def run_suite(name, url, metrics_url, model, data, out: Path, log, suite: str):
@@ -313,47 +126,6 @@ def run_suite(name, url, metrics_url, model, data, out: Path, log, suite: str):
                 res["w4"]["rate"] = rate
                 res["w4"]["max_rps"] = peak["rps"]
     return res
-
-
-def floor_repository(dest: Path, wait_us: int = 0) -> Path:
-    """model_repository (same configs, instance counts, ensemble) with both Python models replaced by
-    perf/floor_model.py; wait_us: each encoder execute sleeps that long first."""
-    shutil.rmtree(dest, ignore_errors=True)
-    shutil.copytree(ROOT / "model_repository", dest, ignore=shutil.ignore_patterns("__pycache__"))
-    for model in MODELS:
-        shutil.copy(ROOT / "perf" / "floor_model.py", dest / model / "1" / "model.py")
-    if wait_us:
-        with open(dest / MODELS[1] / "config.pbtxt", "a") as f:
-            f.write(f'parameters {{ key: "floor_wait_us" value: {{ string_value: "{wait_us}" }} }}\n')
-    return dest
-
-
-def plot(results, out: Path):
-    try:
-        import matplotlib
-    except ImportError:
-        print("no matplotlib: no plot")
-        return
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    for name, r in results.items():
-        pts = sorted((int(c), v) for c, v in r["w3"].items() if v)
-        if not pts:
-            continue
-        cs = [c for c, _ in pts]
-        a.plot(cs, [v["rps"] for _, v in pts], marker="o", label=name)
-        b.plot(cs, [v["p50_ms"] for _, v in pts], marker="o", label=f"{name} p50")
-        b.plot(cs, [v["p99_ms"] for _, v in pts], marker="x", linestyle="--", label=f"{name} p99")
-    for ax, t in ((a, "throughput (req/s), ~20-token texts"), (b, "latency (ms)")):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("concurrency")
-        ax.set_title(t)
-        ax.legend()
-        ax.grid(alpha=0.3)
-    b.set_yscale("log")
-    fig.tight_layout()
-    fig.savefig(out / "serve_w3.png", dpi=110)
 
 
 def main():
@@ -448,54 +220,7 @@ def main():
         print(f"{name}: {json.dumps(results[name])}", flush=True)
     (a.out / "results.json").write_text(json.dumps({"tokenizer_ms": tok_ms, **results}, indent=2))
     plot(results, a.out)
-    summary(results)
-
-
-def summary(results):
-    def f(v, k):
-        return f"{v[k]:.2f}" if v and v.get(k) is not None else "-"
-
-    def split(r, w="w1"):
-        m = (r.get(w) or {}).get("per_model_ms_per_execution", {})
-        return " / ".join(f"{m[k]['compute_infer']:.1f}" if k in m else "-" for k in MODELS)
-
-    def serial(r):
-        """Per request, the time its model instance spent on it, us, and the mean batch b: what caps one instance's
-        throughput. stats_delta's values are b x an execution's duration (see there), so this is value / b^2."""
-        m = r.get("w3_c128_per_model", {})
-
-        def one(k):
-            b = m[k]["inferences"] / m[k]["executions"]  # single-text requests: rows = requests
-            t = sum(m[k][x] for x in ("compute_input", "compute_infer", "compute_output"))
-            return f"{t * 1e3 / b / b:.0f} (b{b:.0f})"
-        return " / ".join(one(k) if k in m else "-" for k in MODELS)
-    rows = [(f"{k} 8x2048 p50 / p99 ms", lambda r, k=k: f"{f(r.get(k), 'p50_ms')} / {f(r.get(k), 'p99_ms')}")
-            for k in ("w1", "w1_code", "w1_cjk")]
-    rows += [
-            *((f"{k} tokenizer / encoder infer ms", lambda r, k=k: split(r, k))
-              for k in ("w1", "w1_code", "w1_cjk", "w2")),
-            ("w1 tokenizer execute ms", lambda r: f((r.get("w1") or {}), "tokenizer_execute_ms")),
-            *((f"{w} encoder execute / embed ms", lambda r, k=k: " / ".join(
-                f(r.get(k) or {}, m) for m in ("encoder_execute_ms", "encoder_embed_ms")))
-              for w, k in (("w2", "w2"), ("w3 c=128", "w3_c128_encoder"))),
-            *((f"{w} tokenizer execute ms a text", lambda r, k=k: f(r.get(k) or {}, "tokenizer_execute_ms_per_text"))
-              for w, k in (("w2", "w2"), ("w3 c=128", "w3_c128_encoder"))),
-            ("w2 1 query p50 / p99 ms", lambda r: f"{f(r['w2'], 'p50_ms')} / {f(r['w2'], 'p99_ms')}")]
-    for c in CONCURRENCY:
-        rows.append((f"w3 c={c} req/s (p50 ms)", lambda r, c=c: f"{f(r['w3'].get(c), 'rps')} "
-                                                                 f"({f(r['w3'].get(c), 'p50_ms')})"))
-    rows.append(("w3 c=128 us/req tok / enc (batch)", serial))
-    rows.append(("w1 GPU SM MHz / W (mean)", lambda r: " / ".join(
-        f"{v:.0f}" if (v := (r.get("w1") or {}).get("gpu", {}).get(k)) is not None else "-"
-        for k in ("clocks.sm", "power.draw"))))
-    rows.append(("GPU / CPU util at c=128 %", lambda r: f"{r.get('gpu_util_c128') or 0:.0f} / "
-                                                        f"{r.get('cpu_util_c128') or 0:.0f}"))
-    rows.append(("w4 @70% max: p50 / p99 ms", lambda r: f"{f(r.get('w4'), 'p50_ms')} / {f(r.get('w4'), 'p99_ms')}"))
-    rows.append(("w4 max req/s, rate", lambda r: f"{f(r.get('w4'), 'max_rps')}, {(r.get('w4') or {}).get('rate', '-')}"))
-    width = max(24, *(len(n) + 2 for n in results))
-    print(f"\n{'workload':<34}" + "".join(f"{n:>{width}}" for n in results))
-    for label, fn in rows:
-        print(f"{label:<34}" + "".join(f"{fn(r):>{width}}" for r in results.values()))
+    summary(results, CONCURRENCY)
 
 
 if __name__ == "__main__":

@@ -115,7 +115,7 @@ def words(rng, n: int) -> str:
 
 def serving(checkpoint, tmp: Path, variants: dict, workloads: dict) -> dict:
     """{variant: {workload: perf_analyzer's result}}, one server a variant (TritonServer kwargs), the same data."""
-    from bench_serve import pa_data, perf_analyzer
+    from pa import pa_data, perf_analyzer
     from egemma.ops.tritonserver import TritonServer, free_port
     log, out = open(tmp / "perf_analyzer.log", "w"), {}
     files = {}

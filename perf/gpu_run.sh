@@ -32,6 +32,12 @@
 #   front                perf/bench_front.py: one query over HTTP direct to Triton vs through the gateway (p50/p99,
 #                        interleaved), and the largest request (64 x 1 MB over gRPC) split per model; carry
 #                        .gpu/gateway-deps.tar.xz as for `gateway`; $EGEMMA_FRONT_ARGS go to it
+#   peers-stage          perf/peers_stage.sh: add the carried part(s) of the peers' bundle (.gpu/peers/, vLLM 0.26.0 +
+#                        Infinity 0.0.78 and what the host lacks for them) to /tmp/peers; once all are there, unpack
+#                        and check their imports. One part per call, calls back to back (a warm machine keeps /tmp)
+#   peers                perf/peers.py: ours (gateway OpenAI route + gRPC), sentence-transformers behind Triton,
+#                        Infinity and vLLM on the same texts through one client; $EGEMMA_PEERS_ARGS go to it (e.g.
+#                        "--servers infinity,vllm"); runs peers-stage first. Results in $OUT/peers.json + logs
 # Full logs and JSON go to $OUT. Needs .gpu/activate.sh and the archives named in perf/RESULTS.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -121,6 +127,14 @@ for step in "$@"; do
       # shellcheck disable=SC2086  # the extra arguments are meant to split on spaces
       python3 perf/determinism.py "$FULL" --out "$OUT/determinism.json" ${EGEMMA_DETERMINISM_ARGS:-} 2>&1 | grep -v "^\[transformers\]" \
         | tee "$OUT/determinism.log" | grep -v "^I1\|^W1\|^E1" | tail -n 20 ;;
+    peers-stage) bash perf/peers_stage.sh ;;
+    peers)
+      bash perf/peers_stage.sh
+      # shellcheck disable=SC2086  # the extra arguments are meant to split on spaces
+      (cd perf && python3 peers.py "$FULL" --out /tmp/peers-out --results "$OUT/peers.json" ${EGEMMA_PEERS_ARGS:-} 2>&1 \
+        | tee "$OUT/peers.log" \
+        | grep -v "^\[transformers\]" | grep -E "^(workloads|[a-z-]+: (ready|FAILED|[0-9]+ s)|\|)" | cut -c1-400)
+      tar czf "$OUT/peers-logs.tgz" -C /tmp/peers-out --exclude ours-run . 2>/dev/null ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
   esac
 done

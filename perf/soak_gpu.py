@@ -22,7 +22,8 @@ import torch
 import tritonclient.grpc as grpcclient
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_serve import make_text, model_stats, pa_data, perf_analyzer, prose  # noqa: E402
+from corpora import make_text, prose  # noqa: E402
+from pa import model_stats, pa_data, perf_analyzer  # noqa: E402
 
 from egemma.engine.config import ModelConfig  # noqa: E402
 from egemma.ops.tritonserver import TritonServer, free_port  # noqa: E402

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import tritonclient.grpc as grpcclient
 
-from bench_serve import make_text, prose
+from corpora import make_text, prose
 from egemma.engine.config import ModelConfig
 from egemma.engine.tokenizer import TextTokenizer
 from egemma.ops.procfs import stub_pids

@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench_serve import make_text, prose
+from corpora import make_text, prose
 from egemma.engine.config import ModelConfig
 from egemma.engine.chunker import Chunker
 from egemma.engine.tokenizer import C_PIECE_BYTES, TextTokenizer, resolved_tokenizer_json

@@ -1,6 +1,6 @@
 """Prometheus counters for the Python-backend models, on Triton's metrics port (pb_utils.MetricFamily).
-Every metric call is a round trip from the stub to the Triton process (it added ~1 ms to a single query
-when made per execute), so increments accumulate here and are flushed at most once per `period` seconds."""
+Every metric call is a round trip from the stub to the Triton process (per execute it slowed a single query:
+perf/RESULTS.md runs 6 and 11), so increments accumulate here and are flushed at most once per `period` seconds."""
 from __future__ import annotations
 
 import time

@@ -43,7 +43,8 @@ class TritonPythonModel:
 
     def _parse(self, req) -> tuple[RequestOptions, list[np.ndarray]]:
         # per request, in Python ints and one pass over the inputs: numpy reductions and pb_utils's
-        # get_input_tensor_by_name (which lists every input on each call) cost ~2-5 us apiece
+        # get_input_tensor_by_name (which lists every input on each call) cost more (perf/RESULTS.md, runs
+        # 106-110: the CPU A/B of 56014ee)
         opts = RequestOptions.parse(req.parameters())
         t = {x.name(): x for x in req.inputs()}
         if "OPTIONS" in t:
