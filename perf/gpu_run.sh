@@ -29,6 +29,10 @@
 #   front                perf/bench_front.py: one query over HTTP direct to Triton vs through the gateway (p50/p99,
 #                        interleaved), and the largest request (64 x 1 MB over gRPC) split per model; carry
 #                        .gpu/gateway-deps.tar.xz as for `gateway`; $EGEMMA_FRONT_ARGS go to it
+#   corpus               perf/bench_corpus.py: egemma-embed end to end against the server's own saturation (an aio
+#                        driver, perf_analyzer) on the same docs (issue #35: 100k docs, lognormal lengths, median ~180
+#                        tokens, 32 a request, 16 in flight); needs pyarrow + tqdm on the host and tritonclient's
+#                        grpc; $EGEMMA_CORPUS_ARGS go to it (e.g. "--docs 200000")
 # Full logs and JSON go to $OUT. Needs .gpu/activate.sh and the archives named in perf/RESULTS.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -114,6 +118,11 @@ for step in "$@"; do
         | grep -v "^\[transformers\]" | tail -n 12
       cp /tmp/front/front.json /tmp/front/server.log "$OUT/" 2>/dev/null
       grep -h "CUDA graphs captured" /tmp/front/server.log | cut -c1-300 ;;
+    corpus)
+      # shellcheck disable=SC2086  # the extra arguments are meant to split on spaces
+      python3 perf/bench_corpus.py "$FULL" --out /tmp/corpus ${EGEMMA_CORPUS_ARGS:-} 2>&1 | tee "$OUT/bench_corpus.log" \
+        | grep -v "^\[transformers\]" | tail -n 12
+      cp /tmp/corpus/corpus.json /tmp/corpus/cli.log "$OUT/" 2>/dev/null ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
   esac
 done

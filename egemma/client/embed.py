@@ -128,9 +128,10 @@ async def embed(a) -> int:
         progress.close()
         code, why = run.stop_code or OK, run.stop_why
         if code == OK:
-            schema()
-            out.finish(settings)
+            out.finish(schema())
             code = BAD_ROWS if out.n_errors() else OK
+        else:
+            out.discard()
     except Unreachable as e:
         code, why = FAILED, f"the server is unreachable: {e}"
     except Stopped:

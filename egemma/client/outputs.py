@@ -2,9 +2,9 @@
 resume with other options is refused) and parts `part-FIRST-LAST.parquet`, each a complete Parquet file with the
 embedded rows of input lines FIRST..LAST, written under a hidden name, synced and renamed in, so that a kill at any
 moment leaves only whole parts (the directory reads as one Parquet dataset). Bad rows go to OUTPUT.errors.jsonl
-before the part covering them. A resume continues after the last part's LAST, dropping any error entry past it.
-When the input is done the parts are assembled into OUTPUT: one Parquet file (a row group per part), or OUTPUT.npy
-with OUTPUT.ids.jsonl, and OUTPUT.partial/ is removed."""
+before the part covering them. Each part also goes to the final OUTPUT, written beside them (egemma.client.final);
+when the input is done that is renamed in and OUTPUT.partial/ removed. A resume continues after the last part's
+LAST, dropping any error entry past it, and starts the final OUTPUT again from the parts."""
 from __future__ import annotations
 
 import json
@@ -18,11 +18,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from egemma.client.final import COMPRESSION, DTYPES, Final, hidden, sync_replace
 from egemma.client.inputs import UsageError
 
 PART = re.compile(r"^part-(\d{12})-(\d{12})\.parquet$")
-META = b"egemma-embed"  # the settings, in the final Parquet file's key-value metadata
-DTYPES = {np.dtype("float32"): pa.float32(), np.dtype("uint8"): pa.uint8(), np.dtype("int8"): pa.int8()}
 ID_TYPES = {"int": pa.int64(), "str": pa.string(), None: pa.string()}
 
 
@@ -38,23 +37,13 @@ def sibling(path: Path, suffix: str) -> Path:
     return path.with_name(path.name + suffix)
 
 
-def _sync_replace(tmp: Path, dest: Path):
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, dest)
-    fd = os.open(dest.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)  # the rename itself survives a crash of the machine
-    finally:
-        os.close(fd)
-
-
 class Output:
     def __init__(self, path: Path):
         self.path, self.fmt = path, out_format(path)
         self.partial, self.errors = sibling(path, ".partial"), sibling(path, ".errors.jsonl")
         self.ids = sibling(path, ".ids.jsonl")
-        self.schema: pa.Schema | None = None
+        self.final: Final | None = None  # opened at the first part with rows
+        self.settings, self.before = {}, []  # the parts a resume found
 
     def complete(self) -> bool:
         return self.path.exists() and not self.partial.exists()
@@ -77,6 +66,9 @@ class Output:
     def begin(self, settings: dict) -> tuple[int, int, int, object]:
         """Start or resume: (last input line done, rows done, tokens done, the id type the parts have)."""
         manifest = self.partial / "_run.json"  # "_": not read as data by Parquet dataset readers
+        self.settings = settings
+        for p in (self.path, self.ids):
+            hidden(p).unlink(missing_ok=True)  # a final output a kill left unfinished
         if not self.partial.exists():
             self.errors.unlink(missing_ok=True)  # from an earlier run into this name, not continued
             self.partial.mkdir(parents=True)
@@ -94,6 +86,7 @@ class Output:
         for p in self.partial.glob(".part-*"):
             p.unlink()  # a part whose writer was killed before its rename
         parts = self.parts()
+        self.before = [p for _, _, p in parts]
         done = parts[-1][1] if parts else 0
         self._keep_errors(done)
         rows = tokens = 0
@@ -118,7 +111,7 @@ class Output:
                 pass
         tmp = sibling(self.errors, ".tmp")
         tmp.write_bytes(b"".join(x + b"\n" for x in keep))
-        _sync_replace(tmp, self.errors)
+        sync_replace(tmp, self.errors)
 
     def n_errors(self) -> int:
         return len(self.errors.read_bytes().splitlines()) if self.errors.exists() else 0
@@ -128,11 +121,11 @@ class Output:
         fields = [pa.field("line", pa.int64())]
         if with_id:
             fields.append(pa.field("id", id_type if isinstance(id_type, pa.DataType) else ID_TYPES[id_type]))
-        self.schema = pa.schema([*fields, pa.field("num_tokens", pa.int32()),
-                                 pa.field("embedding", pa.list_(DTYPES[np.dtype(dtype)], width))])
-        return self.schema
+        return pa.schema([*fields, pa.field("num_tokens", pa.int32()),
+                          pa.field("embedding", pa.list_(DTYPES[np.dtype(dtype)], width))])
 
-    def write_part(self, first: int, last: int, lines, ids, tokens, vectors: np.ndarray, bad: list[dict]):
+    def write_part(self, schema: pa.Schema, first: int, last: int, lines, ids, tokens, vectors: np.ndarray,
+                   bad: list[dict]):
         """Input lines first..last: the bad rows' entries, then the embedded rows as one part (called in order,
         from one thread)."""
         if bad:
@@ -140,55 +133,37 @@ class Output:
                 f.write(b"".join(json.dumps(b, ensure_ascii=False).encode() + b"\n" for b in bad))
                 f.flush()
                 os.fsync(f.fileno())
-        emb = self.schema.field("embedding").type
+        emb = schema.field("embedding").type
         columns = {"line": pa.array(lines, pa.int64()), "num_tokens": pa.array(tokens, pa.int32()),
                    "embedding": pa.FixedSizeListArray.from_arrays(pa.array(vectors.reshape(-1), emb.value_type),
                                                                   emb.list_size)}
-        if "id" in self.schema.names:
-            columns["id"] = pa.array(ids, self.schema.field("id").type)
-        table = pa.table([columns[n] for n in self.schema.names], schema=self.schema)
+        if "id" in schema.names:
+            columns["id"] = pa.array(ids, schema.field("id").type)
+        table = pa.table([columns[n] for n in schema.names], schema=schema)
         name = f"part-{first:012d}-{last:012d}.parquet"
         tmp = self.partial / f".{name}"
-        pq.write_table(table, tmp, compression={"line": "zstd", "id": "zstd", "num_tokens": "zstd",
-                                                 "embedding": "none"}, row_group_size=max(1, table.num_rows))
-        _sync_replace(tmp, self.partial / name)
+        pq.write_table(table, tmp, compression=COMPRESSION, row_group_size=max(1, table.num_rows))
+        sync_replace(tmp, self.partial / name)
+        if table.num_rows:
+            self._final(schema).append(table)
 
-    def finish(self, settings: dict) -> int:
-        """Assemble the parts into OUTPUT and remove the partial directory; returns the rows written."""
-        parts = [p for _, _, p in self.parts()]
-        tmp = self.path.with_name(f".{self.path.name}.tmp")
-        if self.fmt == "parquet":
-            rows = self._parquet(parts, tmp, settings)
-        else:
-            rows = self._npy(parts, tmp)
-        _sync_replace(tmp, self.path)
+    def _final(self, schema: pa.Schema) -> Final:
+        """The final output, opened with the schema of the first part with rows (the id type known), after the parts
+        a resume found."""
+        if self.final is None:
+            self.final = Final(self.path, self.ids, self.fmt, schema, self.settings)
+            for p in self.before:
+                if (t := pq.read_table(p)).num_rows:
+                    self.final.append(t)
+        return self.final
+
+    def finish(self, schema: pa.Schema) -> int:
+        """OUTPUT renamed in, the partial directory removed; returns the rows in OUTPUT."""
+        rows = self._final(schema).close()
         shutil.rmtree(self.partial)
         return rows
 
-    def _parquet(self, parts: list[Path], tmp: Path, settings: dict) -> int:
-        schema = self.schema.with_metadata({META: json.dumps(settings).encode()})
-        rows = 0
-        with pq.ParquetWriter(tmp, schema, compression={"line": "zstd", "id": "zstd", "num_tokens": "zstd",
-                                                         "embedding": "none"}) as w:
-            for p in parts:
-                t = pq.read_table(p)
-                if t.num_rows:
-                    w.write_table(t.cast(schema), row_group_size=t.num_rows)
-                    rows += t.num_rows
-        return rows
-
-    def _npy(self, parts: list[Path], tmp: Path) -> int:
-        rows = sum(pq.read_metadata(p).num_rows for p in parts)
-        emb = self.schema.field("embedding").type
-        dtype = next(d for d, t in DTYPES.items() if t == emb.value_type)
-        ids_tmp = sibling(self.ids, ".tmp")
-        with open(tmp, "wb") as f, open(ids_tmp, "w", encoding="utf-8") as ids:
-            np.lib.format.write_array_header_1_0(f, {"descr": np.lib.format.dtype_to_descr(dtype),
-                                                     "fortran_order": False, "shape": (rows, emb.list_size)})
-            for p in parts:
-                t = pq.read_table(p)
-                f.write(t["embedding"].combine_chunks().flatten().to_numpy().astype(dtype, copy=False).tobytes())
-                for r in t.drop_columns(["embedding"]).to_pylist():
-                    ids.write(json.dumps(r, ensure_ascii=False) + "\n")
-        _sync_replace(ids_tmp, self.ids)
-        return rows
+    def discard(self):
+        """A stopped run: the unfinished final output goes (the parts stay for a resume)."""
+        if self.final is not None:
+            self.final.discard()

@@ -71,11 +71,11 @@ class Run:
         b = self.buf
         if self.last == self.written:
             return
-        emb = self.schema().field("embedding").type  # the id type is known once a row with an id was read
-        vectors = np.concatenate(b.vectors) if b.vectors else np.zeros((0, emb.list_size))
+        schema = self.schema()  # the id type is known once a row with an id was read
+        vectors = np.concatenate(b.vectors) if b.vectors else np.zeros((0, schema.field("embedding").type.list_size))
         tokens = np.concatenate(b.tokens) if b.tokens else np.zeros(0, np.int32)
-        self.writes.append(self.writer.submit(self.out.write_part, self.written + 1, self.last, b.lines, b.ids,
-                                              tokens, vectors, b.bad))
+        self.writes.append(self.writer.submit(self.out.write_part, schema, self.written + 1, self.last, b.lines,
+                                              b.ids, tokens, vectors, b.bad))
         self.written, self.buf = self.last, Part()
 
     async def settle(self, keep: int):
@@ -83,8 +83,8 @@ class Run:
         while self.writes and (len(self.writes) > keep or self.writes[0].done()):
             try:
                 await asyncio.wrap_future(self.writes.popleft())
-            except OSError as e:
-                self.stop(FAILED, f"cannot write the output: {e}")
+            except Exception as e:  # a full disk, an id the id column's type cannot take
+                self.stop(FAILED, f"cannot write the output: {type(e).__name__}: {e}")
 
 
 class Part:
