@@ -24,8 +24,9 @@ class Progress:
         self.bar = None
         if mode == "bar":
             from tqdm import tqdm
-            self.bar = tqdm(total=total, initial=start, unit=unit, unit_scale=True, dynamic_ncols=True, file=sys.stderr,
-                            bar_format="{l_bar}{bar}| {elapsed}<{remaining} {postfix}", smoothing=0.1)
+            self.bar = tqdm(total=total, initial=start, unit=unit, unit_scale=True, dynamic_ncols=True, smoothing=0.1,
+                            bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt}{unit} {elapsed}<{remaining}{postfix}",
+                            file=sys.stderr)
 
     def rates(self) -> tuple[float, float]:
         dt = max(time.monotonic() - self.t0, 1e-9)
