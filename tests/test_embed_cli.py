@@ -211,8 +211,16 @@ def test_resume_refuses_other_settings_and_usage_errors_exit_2(server, corpus, t
     assert r.returncode == 2 and "other settings" in r.stderr and "--overwrite" in r.stderr, r.stderr
     r = embed(src, "-o", out, "--url", server.grpc_url, "--overwrite")
     assert r.returncode == 0 and pq.read_table(out).num_rows == 20, r.stderr
-    r = embed(src, "-o", tmp_path / "out.csv", "--url", server.grpc_url)
-    assert r.returncode == 2 and ".parquet or .npy" in r.stderr
+    r = embed(src, "-o", out, "--url", server.grpc_url, "--dimensions", 16)  # complete, but not with these
+    assert r.returncode == 2 and "other settings" in r.stderr and "dimensions: None -> 16" in r.stderr, r.stderr
+    pq.write_table(pa.table({"a": [1]}), tmp_path / "theirs.parquet")
+    for args, says in (([src, "-o", tmp_path / "theirs.parquet"], "not written by egemma-embed"),
+                       ([src, "-o", tmp_path / "out.csv"], ".parquet or .npy"),
+                       ([tmp_path / "missing.jsonl", "-o", tmp_path / "m.parquet"], "no input file"),
+                       ([src, "-o", out, "--batch", 65], "--batch must be 1-64")):
+        r = embed(*args, "--url", server.grpc_url)
+        assert r.returncode == 2 and says in r.stderr, (args, r.stderr)
+    assert pq.read_table(tmp_path / "theirs.parquet").num_rows == 1
 
 
 def test_the_server_killed_mid_run_is_retried_until_the_watchdog_restarted_it(start_server, corpus, tmp_path):

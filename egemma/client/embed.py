@@ -83,9 +83,15 @@ def summary(a, out: Output, run: Run | None, progress: Progress | None, resumed:
 async def embed(a) -> int:
     t_start = time.monotonic()
     fmt, out = input_format(a.input, a.format), Output(a.output)
+    if a.input != "-" and not Path(a.input).is_file():
+        raise UsageError(f"no input file {a.input}")
+    settings = {"input": a.input if a.input == "-" else str(Path(a.input).resolve()),
+                "input_bytes": None if a.input == "-" else Path(a.input).stat().st_size, "format": fmt,
+                "field": a.field, "id_field": a.id_field, "model": a.model, "prompt_name": a.prompt_name,
+                "dimensions": a.dimensions, "encoding": a.encoding}
     if a.overwrite:
         out.remove()
-    if out.complete():
+    if out.complete(settings):
         n = out.n_errors()
         print(f"egemma-embed: {out.path} is complete already ({n} bad rows); --overwrite embeds again",
               file=sys.stderr)
@@ -104,10 +110,7 @@ async def embed(a) -> int:
     code, why, seconds = OK, "", 0.0
     try:
         width, dtype = await server.probe()
-        settings = {"input": a.input if a.input == "-" else str(Path(a.input).resolve()),
-                    "input_bytes": None if a.input == "-" else Path(a.input).stat().st_size, "format": fmt,
-                    "field": a.field, "id_field": a.id_field, "model": a.model, "prompt_name": a.prompt_name,
-                    "dimensions": a.dimensions, "encoding": a.encoding, "width": int(width)}
+        settings["width"] = int(width)
         done, rows0, tokens0, id_type = out.begin(settings)
         resumed = (done, rows0, tokens0)
         reader = open_input(a.input, fmt, a.field, a.id_field, await server.max_text_bytes(),

@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from egemma.client.final import COMPRESSION, DTYPES, Final, hidden, sync_replace
+from egemma.client.final import COMPRESSION, DTYPES, META, Final, hidden, sync_replace
 from egemma.client.inputs import UsageError
 
 PART = re.compile(r"^part-(\d{12})-(\d{12})\.parquet$")
@@ -37,6 +37,11 @@ def sibling(path: Path, suffix: str) -> Path:
     return path.with_name(path.name + suffix)
 
 
+def differences(before: dict, now: dict) -> str:
+    """The settings of `now` that `before` has otherwise, as `key: before -> now`."""
+    return "; ".join(f"{k}: {before.get(k)!r} -> {v!r}" for k, v in now.items() if before.get(k) != v)
+
+
 class Output:
     def __init__(self, path: Path):
         self.path, self.fmt = path, out_format(path)
@@ -45,8 +50,18 @@ class Output:
         self.final: Final | None = None  # opened at the first part with rows
         self.settings, self.before = {}, []  # the parts a resume found
 
-    def complete(self) -> bool:
-        return self.path.exists() and not self.partial.exists()
+    def complete(self, settings: dict) -> bool:
+        """Whether OUTPUT is a finished run of these settings (a UsageError if it is another file or run)."""
+        if not self.path.exists() or self.partial.exists():
+            return False
+        if self.fmt == "parquet":
+            meta = (pq.read_schema(self.path).metadata or {}).get(META)
+            if meta is None:
+                raise UsageError(f"{self.path} exists and was not written by egemma-embed: --overwrite replaces it")
+            if changed := differences(json.loads(meta), settings):
+                raise UsageError(f"{self.path} is complete, from other settings ({changed}): --overwrite embeds "
+                                 "again")
+        return True
 
     def remove(self):
         shutil.rmtree(self.partial, ignore_errors=True)
@@ -79,10 +94,9 @@ class Output:
         except (OSError, ValueError):
             raise UsageError(f"{self.partial} has no readable _run.json: not a partial output of egemma-embed? "
                              "Remove it, or give --overwrite") from None
-        changed = [f"{k}: {before.get(k)!r} -> {v!r}" for k, v in settings.items() if before.get(k) != v]
-        if changed:
-            raise UsageError(f"{self.partial} was made with other settings ({'; '.join(changed)}): resume with "
-                             "the same ones, or give --overwrite to start again")
+        if changed := differences(before, settings):
+            raise UsageError(f"{self.partial} was made with other settings ({changed}): resume with the same ones, "
+                             "or give --overwrite to start again")
         for p in self.partial.glob(".part-*"):
             p.unlink()  # a part whose writer was killed before its rename
         parts = self.parts()
