@@ -138,19 +138,20 @@ class Output:
         return pa.schema([*fields, pa.field("num_tokens", pa.int32()),
                           pa.field("embedding", pa.list_(DTYPES[np.dtype(dtype)], width))])
 
-    def write_part(self, schema: pa.Schema, first: int, last: int, lines, ids, tokens, vectors: np.ndarray,
-                   bad: list[dict]):
+    def write_part(self, schema: pa.Schema, first: int, last: int, lines, ids, tokens: list[np.ndarray],
+                   vectors: list[np.ndarray], bad: list[dict]):
         """Input lines first..last: the bad rows' entries, then the embedded rows as one part (called in order,
-        from one thread)."""
+        from one thread). tokens and vectors: the batches' arrays, taken without a copy."""
         if bad:
             with open(self.errors, "ab") as f:
                 f.write(b"".join(json.dumps(b, ensure_ascii=False).encode() + b"\n" for b in bad))
                 f.flush()
                 os.fsync(f.fileno())
         emb = schema.field("embedding").type
-        columns = {"line": pa.array(lines, pa.int64()), "num_tokens": pa.array(tokens, pa.int32()),
-                   "embedding": pa.FixedSizeListArray.from_arrays(pa.array(vectors.reshape(-1), emb.value_type),
-                                                                  emb.list_size)}
+        columns = {"line": pa.array(lines, pa.int64()),
+                   "num_tokens": pa.chunked_array([pa.array(t, pa.int32()) for t in tokens], pa.int32()),
+                   "embedding": pa.chunked_array([pa.FixedSizeListArray.from_arrays(
+                       pa.array(v.reshape(-1), emb.value_type), emb.list_size) for v in vectors], emb)}
         if "id" in schema.names:
             columns["id"] = pa.array(ids, schema.field("id").type)
         table = pa.table([columns[n] for n in schema.names], schema=schema)

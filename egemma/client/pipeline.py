@@ -9,8 +9,6 @@ import collections
 import concurrent.futures
 import signal
 
-import numpy as np
-
 from egemma.client.calls import Server, Stopped, Unreachable
 from egemma.client.outputs import Output
 from egemma.client.progress import Progress
@@ -72,10 +70,8 @@ class Run:
         if self.last == self.written:
             return
         schema = self.schema()  # the id type is known once a row with an id was read
-        vectors = np.concatenate(b.vectors) if b.vectors else np.zeros((0, schema.field("embedding").type.list_size))
-        tokens = np.concatenate(b.tokens) if b.tokens else np.zeros(0, np.int32)
         self.writes.append(self.writer.submit(self.out.write_part, schema, self.written + 1, self.last, b.lines,
-                                              b.ids, tokens, vectors, b.bad))
+                                              b.ids, b.tokens, b.vectors, b.bad))
         self.written, self.buf = self.last, Part()
 
     async def settle(self, keep: int):
