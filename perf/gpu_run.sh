@@ -32,7 +32,8 @@
 #   corpus               perf/bench_corpus.py: egemma-embed end to end against the server's own saturation (an aio
 #                        driver, perf_analyzer) on the same docs (issue #35: 100k docs, lognormal lengths, median ~180
 #                        tokens, 32 a request, 16 in flight); needs pyarrow + tqdm on the host and tritonclient's
-#                        grpc; $EGEMMA_CORPUS_ARGS go to it (e.g. "--docs 200000")
+#                        grpc; $EGEMMA_CORPUS_ARGS go to it (e.g. "--docs 200000", or "--floor": the clients' own
+#                        ceilings against do-nothing models)
 # Full logs and JSON go to $OUT. Needs .gpu/activate.sh and the archives named in perf/RESULTS.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."
