@@ -38,6 +38,11 @@
 #   peers                perf/peers.py: ours (gateway OpenAI route + gRPC), sentence-transformers behind Triton,
 #                        Infinity and vLLM on the same texts through one client; $EGEMMA_PEERS_ARGS go to it (e.g.
 #                        "--servers infinity,vllm"); runs peers-stage first. Results in $OUT/peers.json + logs
+#   corpus               perf/bench_corpus.py: egemma-embed end to end against the server's own saturation (an aio
+#                        driver, perf_analyzer) on the same docs (issue #35: 100k docs, lognormal lengths, median ~180
+#                        tokens, 32 a request, 16 in flight); needs pyarrow + tqdm on the host and tritonclient's
+#                        grpc; $EGEMMA_CORPUS_ARGS go to it (e.g. "--docs 200000", or "--floor": the clients' own
+#                        ceilings against do-nothing models)
 # Full logs and JSON go to $OUT. Needs .gpu/activate.sh and the archives named in perf/RESULTS.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -135,6 +140,11 @@ for step in "$@"; do
         | tee "$OUT/peers.log" \
         | grep -v "^\[transformers\]" | grep -E "^(workloads|[a-z-]+: (ready|FAILED|[0-9]+ s)|\|)" | cut -c1-400)
       tar czf "$OUT/peers-logs.tgz" -C /tmp/peers-out --exclude ours-run . 2>/dev/null ;;
+    corpus)
+      # shellcheck disable=SC2086  # the extra arguments are meant to split on spaces
+      python3 perf/bench_corpus.py "$FULL" --out /tmp/corpus ${EGEMMA_CORPUS_ARGS:-} 2>&1 | tee "$OUT/bench_corpus.log" \
+        | grep -v "^\[transformers\]" | tail -n 12
+      cp /tmp/corpus/corpus.json /tmp/corpus/cli.log "$OUT/" 2>/dev/null ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
   esac
 done

@@ -1,9 +1,12 @@
 """The layout rules, read from the source: the tiers' import directions (engine -> nothing of stub, gateway or ops;
-stub -> nothing of gateway or ops; gateway -> nothing of ops; kernels -> none of the four), no top-level `kernels` module anywhere, every file
-opening with a docstring, source files (perf/ too) within ~250 lines unless they say why, and pyproject's package list."""
+stub -> nothing of gateway or ops; gateway -> nothing of ops; kernels -> none of the four; client -> none of the
+others, and no torch), no top-level `kernels` module anywhere, every file opening with a docstring, source files
+(perf/ too) within ~250 lines unless they say why, and pyproject's package list."""
 import ast
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,7 +20,9 @@ except ModuleNotFoundError:  # Python 3.10: pytest itself depends on tomli there
 
 FORBIDDEN = {"egemma.engine": ("egemma.stub", "egemma.gateway", "egemma.ops"),
              "egemma.stub": ("egemma.gateway", "egemma.ops"), "egemma.gateway": ("egemma.ops",),
-             "egemma.kernels": ("egemma.engine", "egemma.stub", "egemma.gateway", "egemma.ops")}
+             "egemma.kernels": ("egemma.engine", "egemma.stub", "egemma.gateway", "egemma.ops"),
+             # egemma-embed runs wherever the corpus is: tritonclient, pyarrow and tqdm, never torch
+             "egemma.client": ("egemma.engine", "egemma.stub", "egemma.gateway", "egemma.ops", "egemma.kernels")}
 MAX_LINES = 250
 LONG_REASON = re.compile(r"\blong:\s*\S+(\s+\S+){2,}")  # "long:" and a reason of three words or more
 
@@ -70,8 +75,8 @@ def test_tiers_import_only_downwards():
     """Transitively: importing a module runs every module it imports and their packages' __init__, so a rule
     broken two hops away (or in a package __init__) counts."""
     modules = {module_name(p): p for p in py_files("egemma")}
-    assert {"egemma.engine.engine", "egemma.stub.adapter", "egemma.ops.launcher", "egemma.kernels.select"} \
-        <= modules.keys(), sorted(modules)
+    assert {"egemma.engine.engine", "egemma.stub.adapter", "egemma.ops.launcher", "egemma.kernels.select",
+            "egemma.client.embed"} <= modules.keys(), sorted(modules)
 
     def runs(name: str) -> set[str]:  # the known modules that importing `name` executes: it and its parents
         parts = name.split(".")
@@ -90,6 +95,14 @@ def test_tiers_import_only_downwards():
                 todo.append(nxt)
         broken += [" -> ".join(chain) for dep, chain in seen.items() if any(within(dep, f) for f in FORBIDDEN[tier])]
     assert not broken, "imports against the tiers:\n" + "\n".join(broken)
+
+
+def test_the_corpus_client_runs_without_torch():
+    """What importing egemma-embed loads (its third-party imports too): no torch, transformers or tokenizers."""
+    heavy = ("torch", "transformers", "tokenizers", "triton")
+    code = f"import sys, egemma.client.embed; print([m for m in {heavy!r} if m in sys.modules])"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
 
 
 def test_no_top_level_kernels_module_is_imported():
@@ -144,6 +157,8 @@ def test_kernels_install_inside_egemma():
     assert isinstance(packages, list), "an explicit package list: a find directive could pick up kernels/"
     assert not [p for p in [*packages, *dirs] if within(p, "kernels")], (packages, dirs)
     assert "egemma.kernels" in packages
+    assert {p for p in packages if p.startswith("egemma.")} == {
+        module_name(p.parent) for p in py_files("egemma") if p.name == "__init__.py"} - {"egemma"}
 
 
 @pytest.mark.parametrize("source,module,want", [

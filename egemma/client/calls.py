@@ -1,0 +1,135 @@
+"""egemma-embed's calls to the server: one tritonclient.grpc.aio channel per --url, requests spread round-robin,
+retried with backoff on anything but INVALID_ARGUMENT (UNAVAILABLE and lost connections while a watchdog restarts
+the server, deadlines, a stub's INTERNAL error) until a request has failed for `retry_for` seconds, and a batch
+the server refuses split in halves until the refused rows are found: one bad text fails its whole request."""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import random
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import tritonclient.grpc as grpcclient
+import tritonclient.grpc.aio as grpcaio
+from tritonclient.utils import InferenceServerException
+
+from egemma.client.inputs import UsageError
+
+MODEL = "embeddinggemma"
+OUTPUTS = {"float": "EMBEDDING", "ubinary": "EMBEDDING_UBINARY", "binary": "EMBEDDING_BINARY"}
+REFUSED = "StatusCode.INVALID_ARGUMENT"
+# Reconnect within a second or two of a restarted server listening again (gRPC's default backoff grows to 120 s);
+# round_robin: a dns:/// target of several addresses (a headless Service) spreads over all of them.
+CHANNEL = [("grpc.max_send_message_length", grpcclient.MAX_GRPC_MESSAGE_SIZE),
+           ("grpc.max_receive_message_length", grpcclient.MAX_GRPC_MESSAGE_SIZE),
+           ("grpc.initial_reconnect_backoff_ms", 250), ("grpc.min_reconnect_backoff_ms", 250),
+           ("grpc.max_reconnect_backoff_ms", 2000), ("grpc.lb_policy_name", "round_robin")]
+
+
+class Refused(Exception):
+    """The server answered INVALID_ARGUMENT: something in the request's texts, never fixed by retrying."""
+
+
+class Unreachable(Exception):
+    """A request kept failing for the whole retry window."""
+
+
+class Stopped(Exception):
+    """The run is stopping: a request in backoff is given up rather than retried."""
+
+
+@dataclass
+class Embedded:
+    vectors: np.ndarray  # [n, width] float32, or uint8 / int8 packed bits
+    tokens: np.ndarray  # [n] int32
+    refused: dict[int, str]  # index in the batch -> the server's reason, for rows left out of vectors
+
+
+class Server:
+    """Calls to `model` at every URL with one set of request parameters."""
+
+    def __init__(self, urls: list[str], params: dict, encoding: str, timeout: float, retry_for: float,
+                 model: str = MODEL):
+        self.clients = [grpcaio.InferenceServerClient(u, channel_args=CHANNEL) for u in urls]
+        self.urls, self.params, self.output, self.model = urls, params, OUTPUTS[encoding], model
+        self.timeout, self.retry_for = timeout, retry_for
+        self._next = itertools.cycle(range(len(urls)))
+        self.retries = 0
+        self.stopping = False
+        self.on_retry = lambda url, error: None  # told of every failed attempt that will be retried
+
+    async def _once(self, k: int, texts: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
+        i = grpcclient.InferInput("TEXT", [len(texts), 1], "BYTES")
+        i.set_data_from_numpy(np.array(texts, dtype=np.object_).reshape(-1, 1))
+        r = await self.clients[k].infer(self.model, [i], parameters=self.params, client_timeout=self.timeout,
+                                        outputs=[grpcclient.InferRequestedOutput(self.output),
+                                                 grpcclient.InferRequestedOutput("NUM_TOKENS")])
+        return r.as_numpy(self.output), r.as_numpy("NUM_TOKENS").reshape(-1)
+
+    async def call(self, texts: list[bytes], k: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """One request's answer, retried (on the next URL each time, or always URL k) until it succeeds, the
+        server refuses it (Refused), it has failed for retry_for seconds (Unreachable) or the run stops."""
+        first, delay = None, 0.25
+        while True:
+            url = next(self._next) if k is None else k
+            try:
+                return await self._once(url, texts)
+            except InferenceServerException as e:
+                if e.status() == REFUSED:
+                    raise Refused(e.message()) from None
+                error = e
+            first = first or time.monotonic()
+            if time.monotonic() - first > self.retry_for:
+                raise Unreachable(f"failing for {self.retry_for:g} s: {error.status()} {error.message()}") from None
+            if self.stopping:
+                raise Stopped() from None
+            self.retries += 1
+            self.on_retry(self.urls[url], error)
+            await asyncio.sleep(delay * random.uniform(0.5, 1.0))
+            delay = min(delay * 2, 5.0)
+
+    async def embed(self, texts: list[bytes]) -> Embedded:
+        """Every text's embedding, or the server's reason for the rows it refuses (found by splitting)."""
+        try:
+            vectors, tokens = await self.call(texts)
+            return Embedded(vectors, tokens, {})
+        except Refused as e:
+            if len(texts) == 1:
+                return Embedded(None, None, {0: str(e)})
+        half = len(texts) // 2
+        a, b = await self.embed(texts[:half]), await self.embed(texts[half:])
+        refused = {**a.refused, **{half + j: why for j, why in b.refused.items()}}
+        parts = [p for p in (a, b) if p.vectors is not None]
+        if not parts:
+            return Embedded(None, None, refused)
+        return Embedded(np.concatenate([p.vectors for p in parts]), np.concatenate([p.tokens for p in parts]),
+                        refused)
+
+    async def probe(self) -> tuple[int, np.dtype]:
+        """Check the options against every URL with one short text (retried while a server comes up): the
+        width and dtype of what it returns. A refused option is a UsageError naming the server's reason."""
+        async def one(k):
+            try:
+                return await self.call([b"egemma-embed probe"], k)
+            except Refused as e:
+                raise UsageError(f"{self.urls[k]} refuses these options: {e}") from None
+            except Unreachable as e:
+                raise Unreachable(f"{self.urls[k]}: {e}") from None
+        answers = await asyncio.gather(*(one(k) for k in range(len(self.clients))))
+        shapes = {(v.shape[1], v.dtype) for v, _ in answers}
+        if len(shapes) != 1:
+            raise UsageError(f"the servers at {', '.join(self.urls)} answer differently: {sorted(shapes)}")
+        return shapes.pop()
+
+    async def max_text_bytes(self) -> int | None:
+        """The tokenizer's max_text_bytes from the first server's model config, None if it cannot be read."""
+        try:
+            cfg = await self.clients[0].get_model_config(f"{self.model}_tokenizer", as_json=True)
+            return int(cfg["config"]["parameters"]["max_text_bytes"]["string_value"])
+        except (InferenceServerException, KeyError, ValueError):
+            return None
+
+    async def close(self):
+        await asyncio.gather(*(c.close() for c in self.clients))
