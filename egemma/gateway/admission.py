@@ -91,7 +91,8 @@ async def read_body(request: web.Request, gw) -> bytes:
             buf += chunk
             limit(gw, len(buf), "(chunked)" if plain else "once decompressed")
     except web.RequestPayloadError as e:  # e.g. a body that is not the gzip it says
-        raise GatewayError(Kind.MALFORMED, f"malformed body: {e}") from None
+        why = getattr(e.__cause__, "message", None) or " ".join(str(e).split())
+        raise GatewayError(Kind.MALFORMED, f"malformed body: {why}") from None
     return bytes(buf)
 
 

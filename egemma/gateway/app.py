@@ -62,7 +62,8 @@ async def proxy(request: web.Request) -> web.Response:
     """A KServe v2 request, admitted, to Triton's own HTTP; its answer back as it is."""
     gw = request.app[GW]
     if request.method not in ("GET", "POST"):  # all that Triton's HTTP API uses
-        raise GatewayError(Kind.METHOD_NOT_ALLOWED, f"method {request.method} is not part of the KServe v2 HTTP API")
+        raise GatewayError(Kind.METHOD_NOT_ALLOWED, f"method {request.method} is not part of the KServe v2 HTTP API",
+                           headers={"Allow": "GET, POST"})
     headers = {k: v for k in REQUEST_HEADERS if (v := request.headers.get(k)) is not None}
     if gw.api_key is not None:  # admitted: Triton's own check wants its header
         headers["api-key"] = gw.api_key.decode()
@@ -96,7 +97,9 @@ def _refusal(request: web.Request) -> GatewayError | None:
     """Why the request is not served before its body is read: no route (404 / 405, in the protocol's shape), or
     its head not admitted."""
     if (exc := request.match_info.http_exception) is not None:
-        return GatewayError(_ROUTER.get(exc.status, Kind.NOT_FOUND), f"{exc.reason}: {request.method} {request.path}")
+        allow = {"Allow": ", ".join(sorted(exc.allowed_methods))} if exc.status == 405 else None
+        return GatewayError(_ROUTER.get(exc.status, Kind.NOT_FOUND), f"{exc.reason}: {request.method} {request.path}",
+                            headers=allow)
     try:
         admit(request.app[GW], request.path, aio_header(request))
     except GatewayError as e:

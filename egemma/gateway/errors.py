@@ -36,9 +36,13 @@ class Protocol(enum.Enum):
 
 
 class GatewayError(Exception):
-    def __init__(self, kind: Kind, message: str, param: str | None = None, code: str | None = None):
+    """kind, the message, the request field at fault (param), an OpenAI error code where a client keys on one, and
+    headers the answer carries (a 405's Allow)."""
+
+    def __init__(self, kind: Kind, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
-        self.kind, self.param, self.code = kind, param, code
+        self.kind, self.param, self.code, self.headers = kind, param, code, headers or {}
 
 
 _COMMON = {Kind.MALFORMED: 400, Kind.VALIDATION: 400, Kind.EMPTY: 400, Kind.TOO_LARGE: 413,
@@ -73,7 +77,7 @@ def render(e: GatewayError, proto: Protocol) -> tuple[int, bytes]:
 
 def headers(e: GatewayError) -> dict[str, str]:
     """Headers an error answer carries beside its body."""
-    return {"WWW-Authenticate": 'Bearer realm="egemma"'} if e.kind is Kind.UNAUTHORIZED else {}
+    return {**e.headers, **({"WWW-Authenticate": 'Bearer realm="egemma"'} if e.kind is Kind.UNAUTHORIZED else {})}
 
 
 def raw(e: GatewayError, proto: Protocol, close: bool = False) -> bytes:
