@@ -154,8 +154,8 @@ def test_errors_map_once_per_protocol():
     e = GatewayError(Kind.VALIDATION, "bad dimensions", "dimensions")
     assert render(e, Protocol.KSERVE) == (400, b'{"error":"bad dimensions"}')
     status, body = render(e, Protocol.OPENAI)
-    assert status == 400 and json.loads(body) == {"error": {"message": "bad dimensions", "type": "invalid_request_error",
-                                                            "param": "dimensions", "code": None}}
+    assert status == 400 and json.loads(body) == {"error": {
+        "message": "bad dimensions", "type": "invalid_request_error", "param": "dimensions", "code": None}}
     status, body = render(e, Protocol.TEI)
     assert status == 422 and json.loads(body) == {"error": "bad dimensions", "error_type": "Validation"}
     for kind in Kind:  # every kind has a status in every protocol, and the TEI types are TEI's
@@ -208,7 +208,8 @@ def test_openai_input_rules():
 def test_tei_input_rules():
     assert _inputs("hi", ids_ok=True) == ["hi"] and _inputs([5, 6], ids_ok=True) == [[5, 6]]
     for x, ids_ok, kind in [("", True, Kind.EMPTY), (["a", ""], False, Kind.EMPTY), ([], True, Kind.EMPTY),
-                            ([[]], True, Kind.EMPTY), ([5, 6], False, Kind.VALIDATION), ({"a": 1}, True, Kind.VALIDATION)]:
+                            ([[]], True, Kind.EMPTY), ([5, 6], False, Kind.VALIDATION),
+                            ({"a": 1}, True, Kind.VALIDATION)]:
         assert kind_of(_inputs, x, ids_ok) is kind, x
 
 

@@ -125,4 +125,4 @@ async def model(request: web.Request) -> web.Response:
 
 
 ROUTES = [("POST", "/v1/embeddings", embeddings), ("GET", "/v1/models", models),
-          ("GET", "/v1/models/{id:.+}", model)]  # ids such as google/embeddinggemma-300m hold a slash
+          ("GET", r"/v1/models/{id:[\s\S]+}", model)]  # ids hold slashes (google/embeddinggemma-300m), any character
