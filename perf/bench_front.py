@@ -17,6 +17,7 @@ import http.client
 import json
 import random
 import secrets
+import shutil
 import statistics
 import subprocess
 import sys
@@ -135,7 +136,8 @@ def main():
         front.port = port
         front.start()
         apps = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,process_name,used_memory",
-                               "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
+                               "--format=csv,noheader"], capture_output=True, text=True).stdout.strip() \
+            if shutil.which("nvidia-smi") else "(no nvidia-smi)"
         res["gpu_memory_per_process"] = apps.splitlines()  # issue #12: each encoder stub's share
         print("GPU memory per process:\n  " + apps.replace("\n", "\n  "))
         try:

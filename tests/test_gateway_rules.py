@@ -7,6 +7,7 @@ import json
 import pytest
 
 from egemma.gateway.admission import MAX_JSON_DEPTH, admit, check_kserve, json_depth, needs_key
+from egemma.gateway.app import read_key
 from egemma.gateway.common import Gateway, options
 from egemma.gateway.errors import STATUS, GatewayError, Kind, Protocol, from_exception, protocol, raw, render
 from egemma.gateway.fastlane import parse_head
@@ -223,3 +224,14 @@ def test_options_are_checked_before_they_reach_triton():
         with pytest.raises(GatewayError, match=k) as e:
             options({k: v}, (k,))
         assert e.value.kind is Kind.VALIDATION and e.value.param == k
+
+
+def test_the_key_file(tmp_path):
+    """One word of printable ASCII; the newline a secret file may end with is not part of it."""
+    f = tmp_path / "key"
+    f.write_text("s3cret\n")
+    assert read_key(str(f)) == b"s3cret" and read_key(None) is None
+    for bad in ("", "\n", "two words", "k\x01ey", "ключ"):
+        f.write_text(bad)
+        with pytest.raises(SystemExit, match="printable ASCII"):
+            read_key(str(f))

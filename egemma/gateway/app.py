@@ -6,7 +6,7 @@ take the fast lane (egemma.gateway.fastlane); the rest, and every route below, a
   python -m egemma.gateway.app --port 8000 [--port 8080 ...] --triton-http 127.0.0.1:P --triton-grpc 127.0.0.1:Q
       [--host 127.0.0.1] [--max-request-bytes 3145728] [--workers 1] [--model-name google/embeddinggemma-300m]
       [--alias NAME ...] [--health-file PATH] [--triton-metrics 127.0.0.1:R] [--max-connections 1024]
-      [--idle-timeout 60] [--body-timeout 60]
+      [--idle-timeout 60] [--body-timeout 60] [--api-key-file PATH]
 
 Triton 2.51's HTTP server dies on some single requests (tests/test_front.py keeps each one, against bare Triton);
 what reaches it from here cannot be one of them:
@@ -27,6 +27,8 @@ tritonclient.http (JSON and binary tensors), curl and perf_analyzer work as agai
 200 after a model process died); /v2/health/ready needs that verdict and Triton's ready. --workers K runs K
 processes on the same sockets (one process group; SIGTERM drains each).
 
+With --api-key-file, inference routes answer only to its key (egemma.gateway.admission.needs_key), which the
+gateway passes on where it calls Triton itself (its HTTP proxy, its gRPC client; Triton checks it too).
 Every route answers errors in its protocol's shape (egemma.gateway.errors), through one middleware that also
 admits each request (egemma.gateway.admission: the API key, the body limit) before its handler runs; route
 handlers raise GatewayError. Route modules read the app's state as request.app[GW], a Gateway

@@ -1,12 +1,14 @@
 """OpenAI-compatible routes on the gateway: POST /v1/embeddings, GET /v1/models, GET /v1/models/{id}.
 
 POST /v1/embeddings body (unknown fields are a 400, as OpenAI answers them):
-  input            str | [str] | [int] | [[int]]   at most 2048 inputs; ids are this model's tokenizer's ids
+  input            str | [str] | [int] | [[int]]   at most 2048 inputs, none an empty string; a flat [int] is one
+                   input of at most 2048 ids (OpenAI's schema); ids are this model's tokenizer's ids
   model            the served model's name or a configured alias (absent: the served model); else 404
   dimensions       a Matryoshka size the server allows (768, 512, 256, 128 for EmbeddingGemma)
   encoding_format  "float" (default) | "base64" (little-endian fp32, what the openai client asks for by default)
   user             accepted and ignored
   prompt_name, prompt, truncate   extensions, as the KServe request parameters (text input only for prompts)
+Errors are GatewayErrors, answered in OpenAI's shape by the gateway's middleware (egemma.gateway.app).
 Token ids: BOS is prepended unless the first id is BOS and EOS appended unless the last is EOS, so ids with or
 without specials (e.g. from TEI /tokenize) embed exactly as their text; over 2048 tokens they are cut keeping
 EOS last, or with truncate=false rejected. usage.prompt_tokens counts what was embedded (prompt, BOS, EOS)."""
