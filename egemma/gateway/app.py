@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import logging
 import os
 import resource
@@ -164,8 +165,9 @@ def make_app(gw: Gateway) -> web.Application:
     tei_api.init(app)
     routes = [("GET", "/v2/health/live", live), ("GET", "/v2/health/ready", ready),
               ("*", r"/v2{tail:(/.*)?}", proxy), *openai_api.ROUTES, *tei_api.ROUTES]
-    for method, path, handler in routes:
-        app.router.add_route(method, path, handler, expect_handler=expect)
+    for method, path, handler in routes:  # a GET route answers HEAD too, as aiohttp's add_get makes it
+        add = app.router.add_get if method == "GET" else functools.partial(app.router.add_route, method)
+        add(path, handler, expect_handler=expect)
     return app
 
 
