@@ -92,7 +92,10 @@ async def read_body(request: web.Request, gw) -> bytes:
             limit(gw, len(buf), "(chunked)" if plain else "once decompressed")
     except web.RequestPayloadError as e:  # e.g. a body that is not the gzip it says
         why = getattr(e.__cause__, "message", None) or " ".join(str(e).split())
-        raise GatewayError(Kind.MALFORMED, f"malformed body: {why}") from None
+        # read to its end as far as aiohttp is concerned: else it reads on after the answer, meets the error again
+        # and logs it as an "Unhandled exception"; the connection ends with the answer
+        request.content.feed_eof()
+        raise GatewayError(Kind.MALFORMED, f"malformed body: {why}", close=True) from None
     return bytes(buf)
 
 

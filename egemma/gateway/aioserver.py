@@ -51,10 +51,8 @@ async def serve(app: web.Application, socks: list[socket.socket], max_connection
     for pid in workers:  # a worker's exit wakes this loop through a pidfd (uvloop keeps SIGCHLD to itself)
         fd = os.pidfd_open(pid)
         loop.add_reader(fd, exited, pid, fd)
-    # lingering_time=0: a request answered before its body was read (refused, or a body that failed to inflate)
-    # closes its connection instead of reading on for 10 s, where a broken body would log an "Unhandled exception"
     runner = web.AppRunner(app, access_log=None, keepalive_timeout=idle_timeout, shutdown_timeout=SHUTDOWN_TIMEOUT,
-                           max_line_size=8190, max_field_size=8190, max_headers=128, lingering_time=0)
+                           max_line_size=8190, max_field_size=8190, max_headers=128)
     await runner.setup()
     handlers = runner.server
     first = handlers

@@ -53,7 +53,10 @@ def json_response(obj, status: int = 200) -> web.Response:
 
 def error_response(e: GatewayError, proto: Protocol) -> web.Response:
     status, body = render(e, proto)
-    return web.Response(status=status, body=body, content_type="application/json", headers=headers(e))
+    r = web.Response(status=status, body=body, content_type="application/json", headers=headers(e))
+    if e.close:
+        r.force_close()
+    return r
 
 
 async def read_json(request: web.Request) -> dict:

@@ -36,13 +36,14 @@ class Protocol(enum.Enum):
 
 
 class GatewayError(Exception):
-    """kind, the message, the request field at fault (param), an OpenAI error code where a client keys on one, and
-    headers the answer carries (a 405's Allow)."""
+    """kind, the message, the request field at fault (param), an OpenAI error code where a client keys on one,
+    headers the answer carries (a 405's Allow), and whether the connection must end after it (close: the request's
+    framing is broken, so nothing after it on the connection can be read)."""
 
     def __init__(self, kind: Kind, message: str, param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None):
+                 headers: dict[str, str] | None = None, close: bool = False):
         super().__init__(message)
-        self.kind, self.param, self.code, self.headers = kind, param, code, headers or {}
+        self.kind, self.param, self.code, self.headers, self.close = kind, param, code, headers or {}, close
 
 
 _COMMON = {Kind.MALFORMED: 400, Kind.VALIDATION: 400, Kind.EMPTY: 400, Kind.TOO_LARGE: 413,
@@ -83,7 +84,7 @@ def headers(e: GatewayError) -> dict[str, str]:
 def raw(e: GatewayError, proto: Protocol, close: bool = False) -> bytes:
     """A whole HTTP/1.1 answer, for writers below aiohttp (the fast lane, the connection cap)."""
     status, body = render(e, proto)
-    extra = {**headers(e), **({"Connection": "close"} if close else {})}
+    extra = {**headers(e), **({"Connection": "close"} if close or e.close else {})}
     return (f"HTTP/1.1 {status} {http.HTTPStatus(status).phrase}\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(body)}\r\n" + "".join(f"{k}: {v}\r\n" for k, v in extra.items())
             + "\r\n").encode() + body

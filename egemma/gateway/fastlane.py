@@ -1,12 +1,13 @@
 """The gateway's fast lane: the KServe v2 requests almost every client sends (GET or POST of /v2/..., HTTP/1.1,
 plain headers, a Content-Length body within the limit) parsed here by an asyncio Protocol and passed to Triton as
 they came, its answer back byte for byte, instead of through aiohttp's request machinery (twice the added latency
-and CPU per proxied query: perf/RESULTS.md run 31). Every connection starts here; at the first request that is anything else (chunked,
-compressed, Expect, percent-escapes, over-long or odd headers, the health routes, the OpenAI / TEI routes, another
-method or version) the connection is handed, with every byte it has sent, to aiohttp's handler for good, which
-answers it as before. So the lane never has to reject malformed HTTP itself: it only passes what it understands.
-The same gate (egemma.gateway.admission.admit: API key, body limit, what Triton crashes on) stands before Triton on
-both paths, and the same idle and body deadlines; its refusals are in KServe's shape (egemma.gateway.errors)."""
+and CPU per proxied query: perf/RESULTS.md run 31). Every connection starts here; at the first request that is
+anything else (chunked, compressed, Expect, percent-escapes, over-long or odd headers, the health routes, the
+OpenAI / TEI routes, another method or version) or that the gate refuses at its head (no API key, a body over the
+limit) the connection is handed, with every byte it has sent, to aiohttp's handler for good, which answers it as
+before. So the lane never has to reject malformed HTTP itself: it only passes what it understands. The same gate
+(egemma.gateway.admission.admit: API key, body limit, what Triton crashes on) stands before Triton on both paths,
+and the same idle and body deadlines; the lane's own refusals are in KServe's shape (egemma.gateway.errors)."""
 from __future__ import annotations
 
 import asyncio
@@ -165,17 +166,15 @@ class _Lane(asyncio.Protocol):
 
     def _head(self) -> bool:
         """Parse and admit the request head at the buffer's start into self.pending: False while it is incomplete,
-        or after handing the connection over or refusing the request."""
+        or after handing the connection over (also a request that is refused)."""
         head = parse_head(self.buf)
         if not head:
             return head is False and self._hand_over()
         path, headers, start, n = head
         try:
             admit(self.lanes.gw, path, headers.get)
-        except GatewayError as e:  # refused before its body: the connection's next bytes are that body, so it ends
-            self.transport.write(raw(e, Protocol.KSERVE, close=True))
-            self.transport.close()
-            return False
+        except GatewayError:  # aiohttp refuses it alike and reads on the body it refuses, so the client reads why
+            return self._hand_over()
         self.pending = head
         if len(self.buf) < start + n:
             self._deadline(self.lanes.gw.body_timeout)
