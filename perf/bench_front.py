@@ -5,6 +5,10 @@ and the largest request the server takes (64 texts x 1 MB, over gRPC: over HTTP 
 across the models (Triton's statistics).
 
   python perf/bench_front.py CHECKPOINT [--out DIR] [--n 2000] [--workers 1] [--big-rows 64] [--big-bytes 1000000]
+                             [--api-key]
+
+--api-key: Triton and the gateway with an API key, as `--api-key` serves: direct queries send Triton's `api-key`
+header, the gateway's `Authorization: Bearer` (the lane checks it and adds Triton's header: its most work).
 
 Prints a table and writes front.json. Needs tritonclient.grpc, aiohttp (the gateway) and this repository; no
 tritonclient.http (the GPU host has none)."""
@@ -12,6 +16,8 @@ import argparse
 import http.client
 import json
 import random
+import secrets
+import shutil
 import statistics
 import subprocess
 import sys
@@ -38,9 +44,9 @@ def cpu_s(pid: int) -> float:
     return int(Path(f"/proc/{pid}/schedstat").read_text().split()[0]) / 1e9
 
 
-def one_query(conn: http.client.HTTPConnection, body: bytes, target: str = INFER) -> float:
+def one_query(conn: http.client.HTTPConnection, body: bytes, target: str = INFER, headers=None) -> float:
     t0 = time.perf_counter()
-    conn.request("POST", target, body, {"Content-Type": "application/json"})
+    conn.request("POST", target, body, {"Content-Type": "application/json", **(headers or {})})
     r = conn.getresponse()
     data = r.read()
     dt = time.perf_counter() - t0
@@ -54,21 +60,23 @@ def ms(xs: list[float]) -> dict:
             "mean_ms": 1e3 * statistics.fmean(xs), "n": len(xs)}
 
 
-def query_latency(server, front, query: str, n: int) -> dict:
+def query_latency(server, front, query: str, n: int, key: str | None = None) -> dict:
     body = json.dumps({"inputs": [{"name": "TEXT", "shape": [1, 1], "datatype": "BYTES", "data": [query]}]}).encode()
     conns = {"direct": http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=60),
              "gateway": http.client.HTTPConnection("127.0.0.1", front.port, timeout=60),
              "aiohttp": http.client.HTTPConnection("127.0.0.1", front.port, timeout=60)}
     targets = {"direct": INFER, "gateway": INFER, "aiohttp": INFER + "?via=%61iohttp"}
+    headers = {k: {} if key is None else {"api-key": key} if k == "direct" else {"Authorization": f"Bearer {key}"}
+               for k in conns}
     for k, c in conns.items():  # warm-up: connections, the gateway's pool, the models
-        for _ in range(200):
-            one_query(c, body, targets[k])
+        for _ in range(min(200, n)):  # fewer for a short run: an idle connection must not time out
+            one_query(c, body, targets[k], headers[k])
     times, cpu = {k: [] for k in conns}, {"gateway": 0.0, "aiohttp": 0.0}
     order = list(conns)
     for i in range(n):
         for k in order[i % 3:] + order[:i % 3]:
             c0 = cpu_s(front.proc.pid) if k in cpu else 0.0
-            times[k].append(one_query(conns[k], body, targets[k]))
+            times[k].append(one_query(conns[k], body, targets[k], headers[k]))
             if k in cpu:
                 cpu[k] += cpu_s(front.proc.pid) - c0
     out = {k: ms(v) for k, v in times.items()}
@@ -80,13 +88,14 @@ def query_latency(server, front, query: str, n: int) -> dict:
 
 def largest_request(server, texts: list[str], runs: int) -> dict:
     c = grpcclient.InferenceServerClient(server.grpc_url)
+    meta = {"triton-grpc-protocol-api-key": server.api_key} if server.api_key else None
     t = grpcclient.InferInput("TEXT", [len(texts), 1], "BYTES")
     t.set_data_from_numpy(np.array([[s.encode()] for s in texts], dtype=object))
-    c.infer("embeddinggemma", [t], client_timeout=600)  # warm-up
+    c.infer("embeddinggemma", [t], client_timeout=600, headers=meta)  # warm-up
     before, wall = model_stats(c), []
     for _ in range(runs):
         t0 = time.perf_counter()
-        emb = c.infer("embeddinggemma", [t], client_timeout=600).as_numpy("EMBEDDING")
+        emb = c.infer("embeddinggemma", [t], client_timeout=600, headers=meta).as_numpy("EMBEDDING")
         wall.append(time.perf_counter() - t0)
         assert emb.shape[0] == len(texts) and np.isfinite(emb).all()
     return {"rows": len(texts), "bytes_per_row": len(texts[0].encode()), "wall_s": [round(w, 3) for w in wall],
@@ -102,6 +111,7 @@ def main():
     ap.add_argument("--big-rows", type=int, default=64)
     ap.add_argument("--big-bytes", type=int, default=1_000_000, help="bytes per row (max_text_bytes)")
     ap.add_argument("--big-runs", type=int, default=3)
+    ap.add_argument("--api-key", action="store_true", help="serve and query with an API key")
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     tok, words, rng = TextTokenizer(ModelConfig.load(a.checkpoint)), prose(), random.Random(0)
@@ -114,21 +124,25 @@ def main():
             n += len(row[-1]) + 1
         b = " ".join(row).encode()[:a.big_bytes].decode(errors="ignore").encode()  # no cut character
         big.append((b + b" " * (a.big_bytes - len(b))).decode())
-    res = {"query_tokens": tok.untruncated_length(query)}
+    key = secrets.token_urlsafe(24) if a.api_key else None
+    (a.out / "api-key").write_text(key or "")
+    res = {"query_tokens": tok.untruncated_length(query), "api_key": key is not None}
     with open(a.out / "server.log", "w") as slog, \
             TritonServer(a.checkpoint, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
-                         log_file=slog) as s:
+                         log_file=slog, api_key=key) as s:
         port = free_port()
         front = Front([f"--port={port}", f"--triton-http={s.http_url}", f"--triton-grpc={s.grpc_url}",
-                       f"--workers={a.workers}"], f"http://127.0.0.1:{port}")
+                       f"--workers={a.workers}", *([f"--api-key-file={a.out / 'api-key'}"] if key else [])],
+                      f"http://127.0.0.1:{port}")
         front.port = port
         front.start()
         apps = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,process_name,used_memory",
-                               "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
+                               "--format=csv,noheader"], capture_output=True, text=True).stdout.strip() \
+            if shutil.which("nvidia-smi") else "(no nvidia-smi)"
         res["gpu_memory_per_process"] = apps.splitlines()  # issue #12: each encoder stub's share
         print("GPU memory per process:\n  " + apps.replace("\n", "\n  "))
         try:
-            res["query"] = query_latency(s, front, query, a.n)
+            res["query"] = query_latency(s, front, query, a.n, key)
             q = res["query"]
             print(f"one {res['query_tokens']}-token query over HTTP, {a.n} each, interleaved:")
             for k in ("direct", "gateway", "aiohttp"):

@@ -84,6 +84,7 @@ def test_objects_fit_together(k8s):
     sc = c["securityContext"]
     assert sc["readOnlyRootFilesystem"] and not sc["allowPrivilegeEscalation"] and sc["capabilities"]["drop"] == ["ALL"]
     assert pod["spec"]["securityContext"]["runAsNonRoot"] and pod["spec"]["securityContext"]["runAsUser"] >= 10000
+    assert _api_key_secret(argv, c["volumeMounts"], volumes) == "embeddinggemma-api-key"
     # Every path the launcher writes lies on a volume (the root filesystem is read-only).
     mounts = [m["mountPath"] for m in c["volumeMounts"]]
     for path in (option(argv, "--run-dir"), "/tmp", "/var/cache/huggingface"):
@@ -137,9 +138,20 @@ def test_custom_resources_are_well_formed(k8s, kserve):
     da = container_argv(container(k8s)["args"])
     assert option(ka, "--model") == "/mnt/models"
     assert _strip(ka) == _strip(da)
+    assert _api_key_secret(ka, rc["volumeMounts"], {v["name"]: v for v in sr["spec"]["volumes"]}) == \
+        _api_key_secret(da, container(k8s)["volumeMounts"], {v["name"]: v for v in k8s["Deployment"]["spec"][
+            "template"]["spec"]["volumes"]})
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert rc[probe]["httpGet"]["port"] == int(option(ka, "--http-port"))
         assert rc[probe]["httpGet"]["path"] == container(k8s)[probe]["httpGet"]["path"]
+
+
+def _api_key_secret(argv, mounts, volumes: dict) -> str:
+    """The Secret that the API key file the launcher reads (--api-key-file) comes from, mounted read-only."""
+    path = Path(option(argv, "--api-key-file"))
+    (m,) = [m for m in mounts if path.parent == Path(m["mountPath"])]
+    assert m.get("readOnly") and "--api-key" not in argv  # never the key itself on a command line
+    return volumes[m["name"]]["secret"]["secretName"]
 
 
 def _strip(args):

@@ -58,7 +58,8 @@ def test_ensemble_num_tokens(server, checkpoints):
 
 
 def test_float_list_over_one_batch(client, server, checkpoints):
-    texts = make_texts(70, 100, seed=9)  # over the ensemble's 64 rows: the gateway splits, calls concurrently
+    texts = make_texts(71, 100, seed=9)[1:]  # over the ensemble's 64 rows: the gateway splits, calls concurrently
+    # (the first text of make_texts is empty: OpenAI's schema refuses it)
     r = client.embeddings.create(input=texts, model=NAME, encoding_format="float")
     assert [d.index for d in r.data] == list(range(70)) and r.model == NAME
     assert_close(vectors(r), reference(checkpoints["eos"], texts))
@@ -132,8 +133,8 @@ def test_langchain(gateway, checkpoints):
     # check_embedding_ctx_length=False: else LangChain sends tiktoken's ids, not this model's (garbage vectors)
     e = lc.OpenAIEmbeddings(model=NAME, base_url=f"{gateway.url}/v1", api_key="unused",
                             check_embedding_ctx_length=False, max_retries=0)
-    assert_close(np.array(e.embed_documents(GOOD[:5]), dtype=np.float32), reference(checkpoints["eos"], GOOD[:5]))
-    assert_close(np.array(e.embed_query(GOOD[5]), dtype=np.float32), reference(checkpoints["eos"], GOOD[5:6])[0])
+    assert_close(np.array(e.embed_documents(GOOD[1:6]), dtype=np.float32), reference(checkpoints["eos"], GOOD[1:6]))
+    assert_close(np.array(e.embed_query(GOOD[6]), dtype=np.float32), reference(checkpoints["eos"], GOOD[6:7])[0])
 
 
 BAD = [  # (body, status, what the message names)
@@ -150,6 +151,10 @@ BAD = [  # (body, status, what the message names)
     ({"input": [[10 ** 12]]}, 400, "vocabulary"),
     ({"input": [[100000]]}, 400, "vocabulary"),
     ({"input": ["x"] * 2049}, 400, "2048"),
+    ({"input": [[5]] * 2049}, 400, "2049 inputs"),
+    ({"input": [5] * 3000}, 400, "flat list"),  # one input of 3000 ids: OpenAI's schema allows 2048 in a flat list
+    ({"input": ""}, 400, "empty string"),  # OpenAI's schema: the input cannot be an empty string
+    ({"input": ["x", ""]}, 400, "input[1] is an empty string"),
     ({"input": "x", "model": 5}, 400, "model"),
     ({"input": "x", "model": "nope"}, 404, "nope"),
     ({"input": "x", "encoding_format": "hex"}, 400, "encoding_format"),
@@ -157,6 +162,10 @@ BAD = [  # (body, status, what the message names)
     ({"input": "x", "dimensions": "32"}, 400, "dimensions"),
     ({"input": "x", "prompt_name": "nope"}, 400, "Retrieval-query"),
     ({"input": "x", "prompt_name": 3}, 400, "prompt_name"),
+    ({"input": "x", "prompt_name": {}}, 400, "prompt_name"),  # once a 502: tritonclient refused it without a status
+    ({"input": "x", "prompt": ["x"]}, 400, "prompt"),
+    ({"input": "x", "truncate": {}}, 400, "truncate"),
+    ({"input": "x", "user": 5}, 400, "user"),
     ({"input": [[5, 6]], "prompt_name": "query"}, 400, "prompt"),
     ({"input": "x", "truncate": "maybe"}, 400, "truncate"),
     ({"input": "kalo " * 3000, "truncate": False}, 400, "2048"),
@@ -165,7 +174,7 @@ BAD = [  # (body, status, what the message names)
 
 
 def test_bad_input_openai_shape_while_good_requests_stay_exact(gateway, client, checkpoints):
-    good, got, errors = GOOD[:6], {}, []
+    good, got, errors = GOOD[1:7], {}, []  # GOOD[0] is the empty text
 
     def run_good(k):
         try:
@@ -179,8 +188,17 @@ def test_bad_input_openai_shape_while_good_requests_stay_exact(gateway, client, 
     for body, status, fragment in BAD + [(b"x" * (gateway.max_body + 1), 413, str(gateway.max_body))]:
         r = requests.post(url, data=body if isinstance(body, bytes) else json.dumps(body), timeout=120)
         assert r.status_code == status, (body if len(str(body)) < 200 else str(body)[:200], r.text)
+        assert r.headers["Content-Type"] == "application/json"
         err = r.json()["error"]
         assert set(err) == {"message", "type", "param", "code"} and fragment in err["message"], err
         assert err["type"] == "invalid_request_error"
     assert_good_beside_bad(gateway, threads, errors, got, reference(checkpoints["eos"], good))
 
+
+def test_router_errors_in_openai_shape(gateway):
+    """No such route, or a method the route does not take: OpenAI's JSON error, not aiohttp's text/plain."""
+    for method, path, status in (("GET", "/v1/models/", 404), ("GET", "/v1/nope", 404), ("POST", "/v1/models", 405),
+                                 ("GET", "/v1/embeddings", 405)):
+        r = requests.request(method, f"{gateway.url}{path}", timeout=10)
+        assert r.status_code == status and r.headers["Content-Type"] == "application/json", (path, r.text)
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}, r.text

@@ -33,25 +33,26 @@ def embed(gateway, **body) -> np.ndarray:
 def test_huggingface_hub_feature_extraction(gateway, server, checkpoints):
     from huggingface_hub import InferenceClient
     c = InferenceClient(base_url=gateway.url)  # posts to the base URL: TEI serves POST / as /embed
-    ref = reference(checkpoints["eos"], GOOD[:4], prompt_name="query")
-    got = c.feature_extraction(GOOD[:4], prompt_name="query")
+    ref = reference(checkpoints["eos"], GOOD[1:5], prompt_name="query")  # GOOD[0] is empty: TEI refuses it
+    got = c.feature_extraction(GOOD[1:5], prompt_name="query")
     assert_close(got, ref)
-    assert_close(got, kserve(server, GOOD[:4], prompt_name="query"))
-    one = c.feature_extraction(GOOD[4], dimensions=16, truncate=True, normalize=True, truncation_direction="right")
+    assert_close(got, kserve(server, GOOD[1:5], prompt_name="query"))
+    one = c.feature_extraction(GOOD[5], dimensions=16, truncate=True, normalize=True, truncation_direction="right")
     assert one.shape == (1, 16)
-    assert_close(one, renorm(reference(checkpoints["eos"], GOOD[4:5]), 16))
+    assert_close(one, renorm(reference(checkpoints["eos"], GOOD[5:6]), 16))
 
 
 def test_embed_fields(gateway, checkpoints):
-    m, ref = st_model(checkpoints["eos"]), reference(checkpoints["eos"], GOOD[:3])
-    assert_close(embed(gateway, inputs=GOOD[0]), ref[:1])  # one string: still a list of one vector
-    ids = expected_ids(m, GOOD[:3])
+    texts = GOOD[1:4]
+    m, ref = st_model(checkpoints["eos"]), reference(checkpoints["eos"], texts)
+    assert_close(embed(gateway, inputs=texts[0]), ref[:1])  # one string: still a list of one vector
+    ids = expected_ids(m, texts)
     # token ids, alone and mixed with strings, with and without BOS/EOS: as their text
     assert_close(embed(gateway, inputs=ids[1]), ref[1:2])
-    assert_close(embed(gateway, inputs=[GOOD[0], ids[1][1:-1], ids[2]]), ref)
+    assert_close(embed(gateway, inputs=[texts[0], ids[1][1:-1], ids[2]]), ref)
     # left truncation is honoured where nothing is cut
-    assert_close(embed(gateway, inputs=GOOD[:3], truncation_direction="Left"), ref)
-    assert_close(embed(gateway, inputs=GOOD[:3], truncation_direction="left", truncate=False), ref)
+    assert_close(embed(gateway, inputs=texts, truncation_direction="Left"), ref)
+    assert_close(embed(gateway, inputs=texts, truncation_direction="left", truncate=False), ref)
     word = m.tokenizer("kalo", add_special_tokens=False)["input_ids"][0]
     cut = [m.tokenizer.bos_token_id] + [word] * 2046 + [m.tokenizer.eos_token_id]
     assert_close(embed(gateway, inputs=[[word] * 3000]), st_embed_ids(m, [cut]))
@@ -89,7 +90,7 @@ def test_langchain(gateway, checkpoints):
     LangChain class for a self-hosted TEI is langchain-community's HuggingFaceInferenceAPIEmbeddings."""
     lc = pytest.importorskip("langchain_community.embeddings")
     e = lc.HuggingFaceInferenceAPIEmbeddings(api_key="unused", api_url=f"{gateway.url}/embed")
-    assert_close(np.array(e.embed_documents(GOOD[:5]), dtype=np.float32), reference(checkpoints["eos"], GOOD[:5]))
+    assert_close(np.array(e.embed_documents(GOOD[1:6]), dtype=np.float32), reference(checkpoints["eos"], GOOD[1:6]))
 
 
 BAD = [  # (route, body, status, error_type, what the message names)
@@ -99,6 +100,10 @@ BAD = [  # (route, body, status, error_type, what the message names)
     ("/embed", {"inputs": 5}, 422, "Validation", "inputs"),
     ("/embed", {"inputs": []}, 400, "Empty", "empty"),
     ("/embed", {"inputs": [[]]}, 400, "Empty", "empty"),
+    ("/embed", {"inputs": ""}, 400, "Empty", "empty"),  # TEI's tokenizer: `inputs` cannot be empty
+    ("/", {"inputs": ""}, 400, "Empty", "empty"),
+    ("/embed", {"inputs": ["a", ""]}, 400, "Empty", "inputs[1]"),
+    ("/tokenize", {"inputs": ""}, 400, "Empty", "empty"),
     ("/embed", {"inputs": ["a", 5]}, 422, "Validation", "inputs[1]"),
     ("/embed", {"inputs": [[1, 2.5]]}, 422, "Validation", "inputs[0]"),
     ("/embed", {"inputs": [[100000]]}, 422, "Validation", "[0, "),
@@ -113,6 +118,11 @@ BAD = [  # (route, body, status, error_type, what the message names)
     ("/embed", {"inputs": "x", "dimensions": 20}, 422, "Validation", "choose from"),
     ("/embed", {"inputs": "x", "dimensions": "32"}, 422, "Validation", "dimensions"),
     ("/embed", {"inputs": "x", "prompt_name": "nope"}, 422, "Validation", "Retrieval-query"),
+    ("/embed", {"inputs": "x", "prompt_name": {}}, 422, "Validation", "prompt_name"),
+    ("/embed", {"inputs": "x", "truncate": {}}, 422, "Validation", "truncate"),
+    ("/tokenize", {"inputs": "x", "prompt_name": {}}, 422, "Validation", "prompt_name"),  # once a 424
+    ("/tokenize", {"inputs": "x", "prompt_name": ["q"]}, 422, "Validation", "prompt_name"),
+    ("/tokenize", {"inputs": "x", "truncate": {}}, 422, "Validation", "truncate"),
     ("/embed", {"inputs": [[5, 6]], "prompt_name": "query"}, 422, "Validation", "prompt"),
     ("/tokenize", {"inputs": [[5, 6]]}, 422, "Validation", "inputs[0]"),
     ("/tokenize", {"inputs": []}, 400, "Empty", "empty"),
@@ -122,7 +132,7 @@ BAD = [  # (route, body, status, error_type, what the message names)
 
 
 def test_bad_input_tei_shape_while_good_requests_stay_exact(gateway, checkpoints):
-    good, got, errors = GOOD[:6], {}, []
+    good, got, errors = GOOD[1:7], {}, []  # GOOD[0] is the empty text
 
     def run_good(k):
         try:
@@ -137,9 +147,19 @@ def test_bad_input_tei_shape_while_good_requests_stay_exact(gateway, checkpoints
     for path, body, status, kind, fragment in BAD + oversize:
         r = post(gateway, path, body)
         assert r.status_code == status, (path, str(body)[:200], r.text)
+        assert r.headers["Content-Type"] == "application/json"
         assert r.json().keys() == {"error", "error_type"} and r.json()["error_type"] == kind, r.text
         assert fragment in r.json()["error"], r.text
     assert_good_beside_bad(gateway, threads, errors, got, reference(checkpoints["eos"], good))
+
+
+def test_router_errors_and_bad_bodies_in_tei_shape(gateway):
+    """No such route, a method the route does not take, a body that is not the gzip it says: TEI's JSON error."""
+    for method, path, status in (("GET", "/nope", 404), ("GET", "/embed", 405), ("PUT", "/", 405)):
+        r = requests.request(method, f"{gateway.url}{path}", timeout=10)
+        assert r.status_code == status and r.json().keys() == {"error", "error_type"}, (path, r.text)
+    r = requests.post(f"{gateway.url}/embed", data=b"not gzip", headers={"Content-Encoding": "gzip"}, timeout=10)
+    assert r.status_code == 400 and r.json()["error_type"] == "Validation" and "gzip" in r.json()["error"], r.text
 
 
 def test_health_from_the_watchdog_verdict_and_triton_down(tmp_path):

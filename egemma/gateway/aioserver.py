@@ -4,17 +4,18 @@ a worker's death stopping all (the launcher restarts the group), and uvloop wher
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import socket
 
 from aiohttp import web
 
+from egemma.gateway.errors import GatewayError, Kind, Protocol, raw
 
-_BUSY = json.dumps({"error": "too many connections to this server; retry later"}).encode()
-_BUSY = (f"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nContent-Length: {len(_BUSY)}\r\n"
-         "Connection: close\r\n\r\n").encode() + _BUSY
+# Refused before a request is read, so before its protocol is known: KServe's shape, {"error": ...}, which TEI's
+# and most clients' error readers take too.
+_BUSY = raw(GatewayError(Kind.OVERLOADED, "too many connections to this server; retry later"), Protocol.KSERVE,
+            close=True)
 
 
 SHUTDOWN_TIMEOUT = 10.0  # s for in-flight requests to finish on SIGTERM

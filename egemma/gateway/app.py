@@ -6,7 +6,7 @@ take the fast lane (egemma.gateway.fastlane); the rest, and every route below, a
   python -m egemma.gateway.app --port 8000 [--port 8080 ...] --triton-http 127.0.0.1:P --triton-grpc 127.0.0.1:Q
       [--host 127.0.0.1] [--max-request-bytes 3145728] [--workers 1] [--model-name google/embeddinggemma-300m]
       [--alias NAME ...] [--health-file PATH] [--triton-metrics 127.0.0.1:R] [--max-connections 1024]
-      [--idle-timeout 60] [--body-timeout 60]
+      [--idle-timeout 60] [--body-timeout 60] [--api-key-file PATH]
 
 Triton 2.51's HTTP server dies on some single requests (tests/test_front.py keeps each one, against bare Triton);
 what reaches it from here cannot be one of them:
@@ -27,89 +27,64 @@ tritonclient.http (JSON and binary tensors), curl and perf_analyzer work as agai
 200 after a model process died); /v2/health/ready needs that verdict and Triton's ready. --workers K runs K
 processes on the same sockets (one process group; SIGTERM drains each).
 
-Route modules read the app's state as request.app["gw"], a Gateway; its gRPC client and the HTTP pool to Triton
-are made when the app starts and closed at cleanup. Route handlers may `await request.read()` / `.json()`:
-aiohttp's client_max_size is max_body (over it, web.HTTPRequestEntityTooLarge)."""
+With --api-key-file, inference routes answer only to its key (egemma.gateway.admission.needs_key), which the
+gateway passes on where it calls Triton itself (its HTTP proxy, its gRPC client; Triton checks it too).
+Every route answers errors in its protocol's shape (egemma.gateway.errors), through one middleware that also
+admits each request (egemma.gateway.admission: the API key, the body limit) before its handler runs; route
+handlers raise GatewayError. Route modules read the app's state as request.app[GW], a Gateway
+(egemma.gateway.common); its gRPC client and the HTTP pool to Triton are made when the app starts and closed at
+cleanup."""
 from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib
-import importlib.util
+import functools
+import logging
 import os
 import resource
 import sys
-import warnings
-from dataclasses import dataclass, field
+from pathlib import Path
 
 from aiohttp import web
 
-from egemma.gateway import health
+from egemma.gateway import calls, openai_api, tei_api
+from egemma.gateway.admission import admit, aio_header, read_body
 from egemma.gateway.aioserver import event_loop_runner, exit_with_parent, listen, serve
+from egemma.gateway.common import DEFAULT_MAX_BODY, GW, Gateway, error_response, verdict
+from egemma.gateway.errors import GatewayError, Kind, from_exception, protocol
 from egemma.gateway.fastlane import Lanes
-from egemma.gateway.guard import Rejected, check_kserve, content_length, error, failure, read_body, too_large
-from egemma.gateway.upstream import Upstream, UpstreamError
+from egemma.gateway.upstream import Upstream
 
-DEFAULT_MAX_BODY = 3 << 20  # under the 4 MiB at which Triton 2.51's HTTP crashes on the GPU host
-HEALTH_MAX_AGE = 15.0  # s: the watchdog writes a verdict every ~2-7 s; an older one vouches for nothing
 REQUEST_HEADERS = ("Content-Type", "Inference-Header-Content-Length", "admin-key", "Accept-Encoding")
 RESPONSE_HEADERS = ("Content-Type", "Inference-Header-Content-Length", "Content-Encoding")
-_GW = "gw"
-
-
-@dataclass
-class Gateway:
-    grpc: object = field(default=None, init=False)  # tritonclient.grpc.aio.InferenceServerClient, made at startup
-    triton_http: str  # host:port of Triton's own HTTP (loopback)
-    triton_grpc: str  # host:port of Triton's gRPC, for `grpc`
-    model_name: str = "google/embeddinggemma-300m"  # served model name for OpenAI / TEI
-    aliases: tuple[str, ...] = ()
-    max_body: int = DEFAULT_MAX_BODY  # bytes
-    max_batch: int = 64
-    health_file: str | None = None
-    triton_metrics: str | None = None  # host:port of Triton's metrics, for TEI's GET /metrics
-    body_timeout: float = 60.0  # s for a request's whole body to arrive
-    upstream: Upstream | None = field(default=None, init=False)  # pooled connections to triton_http
+_ROUTER = {404: Kind.NOT_FOUND, 405: Kind.METHOD_NOT_ALLOWED}
+log = logging.getLogger("egemma.gateway")
 
 
 async def proxy(request: web.Request) -> web.Response:
-    """A KServe v2 request, checked, to Triton's own HTTP; its answer back as it is."""
-    gw: Gateway = request.app[_GW]
+    """A KServe v2 request, admitted, to Triton's own HTTP; its answer back as it is."""
+    gw = request.app[GW]
     if request.method not in ("GET", "POST"):  # all that Triton's HTTP API uses
-        return error(405, f"method {request.method} is not part of the KServe v2 HTTP API")
+        raise GatewayError(Kind.METHOD_NOT_ALLOWED, f"method {request.method} is not part of the KServe v2 HTTP API",
+                           headers={"Allow": "GET, POST"})
     headers = {k: v for k in REQUEST_HEADERS if (v := request.headers.get(k)) is not None}
+    if gw.api_key is not None:  # admitted: Triton's own check wants its header
+        headers["api-key"] = gw.api_key.decode()
     body = None
-    try:
-        if request.body_exists:
-            body = await read_body(request, gw)  # inflated: it goes on plain
-            if body:  # a GET body too: never trust Triton to ignore it
-                check_kserve(request.path, request.headers.get("Inference-Header-Content-Length"), body)
-    except Rejected as e:
-        return error(*failure(e))
+    if request.body_exists:
+        body = await read_body(request, gw)  # inflated: it goes on plain
+        if body:  # a GET body too: never trust Triton to ignore it
+            admit(gw, request.path, aio_header(request), body)
     try:
         status, h, data = await gw.upstream.request(request.method, request.rel_url.raw_path_qs, headers, body)
-    except (UpstreamError, OSError, asyncio.TimeoutError) as e:
-        return error(*failure(e))
+    except (OSError, asyncio.TimeoutError) as e:
+        raise from_exception(e) from None
     return web.Response(status=status, body=data,
                         headers={k: v for k in RESPONSE_HEADERS if (v := h.get(k.lower())) is not None})
 
 
-async def _expect(request: web.Request):
-    """Expect: 100-continue: an oversize body is refused before the client sends it."""
-    gw: Gateway = request.app[_GW]
-    if (n := content_length(request) or 0) > gw.max_body:
-        return error(413, str(too_large(gw, f"of {n} bytes")))
-    if request.headers.get("Expect", "").lower() == "100-continue":
-        request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-    return None
-
-
-def verdict(gw: Gateway) -> tuple[bool, str]:
-    return health.read(gw.health_file, HEALTH_MAX_AGE) if gw.health_file else (True, "no watchdog")
-
-
 async def live(request: web.Request) -> web.Response:
-    gw: Gateway = request.app[_GW]
+    gw = request.app[GW]
     if not gw.health_file:
         return await proxy(request)
     ok, why = verdict(gw)
@@ -117,20 +92,53 @@ async def live(request: web.Request) -> web.Response:
 
 
 async def ready(request: web.Request) -> web.Response:
-    ok, why = verdict(request.app[_GW])
+    ok, why = verdict(request.app[GW])
     return await proxy(request) if ok else web.json_response({"ready": False, "why": why}, status=503)
 
 
-@web.middleware
-async def body_deadline(request: web.Request, handler):
-    """A body that has not fully arrived within body_timeout closes its connection (for every route)."""
-    if not request.body_exists or request.content.is_eof():  # no body, or all of it came with the headers
-        return await handler(request)
-    h = asyncio.get_running_loop().call_later(request.app[_GW].body_timeout, _drop_if_unread, request)
+def _refusal(request: web.Request) -> GatewayError | None:
+    """Why the request is not served before its body is read: no route (404 / 405, in the protocol's shape), or
+    its head not admitted."""
+    if (exc := request.match_info.http_exception) is not None:
+        allow = {"Allow": ", ".join(sorted(exc.allowed_methods))} if exc.status == 405 else None
+        return GatewayError(_ROUTER.get(exc.status, Kind.NOT_FOUND), f"{exc.reason}: {request.method} {request.path}",
+                            headers=allow)
     try:
-        return await handler(request)
-    finally:
-        h.cancel()
+        admit(request.app[GW], request.path, aio_header(request))
+    except GatewayError as e:
+        return e
+    return None
+
+
+async def expect(request: web.Request):
+    """Expect: 100-continue: a request that is refused anyway is refused before the client sends its body."""
+    if (e := _refusal(request)) is not None:
+        return error_response(e, protocol(request.path))
+    if request.headers.get("Expect", "").lower() == "100-continue":
+        request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+    return None
+
+
+@web.middleware
+async def gate(request: web.Request, handler):
+    """Every route's one handler style: the request admitted, its body given body_timeout to arrive (the
+    connection closed otherwise), and any failure as an answer in its protocol's shape."""
+    try:
+        if (e := _refusal(request)) is not None:
+            raise e
+        if not request.body_exists or request.content.is_eof():  # no body, or all of it came with the headers
+            return await handler(request)
+        h = asyncio.get_running_loop().call_later(request.app[GW].body_timeout, _drop_if_unread, request)
+        try:
+            return await handler(request)
+        finally:
+            h.cancel()
+    except web.HTTPException:  # what a handler answers on purpose (none here): as it is
+        raise
+    except Exception as e:
+        if not isinstance(e, GatewayError):  # a bug of ours: logged, and still an answer in the protocol's shape
+            log.exception("gateway %s %s", request.method, request.path)
+        return error_response(from_exception(e), protocol(request.path))
 
 
 def _drop_if_unread(request: web.Request):
@@ -140,7 +148,7 @@ def _drop_if_unread(request: web.Request):
 
 async def _clients(app: web.Application):
     import tritonclient.grpc.aio as grpcaio
-    gw: Gateway = app[_GW]
+    gw = app[GW]
     gw.grpc = grpcaio.InferenceServerClient(gw.triton_grpc)
     gw.upstream = Upstream(gw.triton_http)
     yield
@@ -149,19 +157,28 @@ async def _clients(app: web.Application):
 
 
 def make_app(gw: Gateway) -> web.Application:
-    """KServe v2 proxy routes, then openai_api.add_routes(app) and tei_api.add_routes(app) where they exist."""
-    app = web.Application(client_max_size=gw.max_body, middlewares=[body_deadline])
-    with warnings.catch_warnings():  # route modules read it by this plain name
-        warnings.simplefilter("ignore", web.NotAppKeyWarning)
-        app[_GW] = gw
+    """The KServe v2 routes (health, then the proxy for the rest of /v2), the OpenAI routes, the TEI routes."""
+    app = web.Application(middlewares=[gate])
+    app[GW] = gw
     app.cleanup_ctx.append(_clients)
-    app.router.add_get("/v2/health/live", live)
-    app.router.add_get("/v2/health/ready", ready)
-    app.router.add_route("*", r"/v2{tail:(/.*)?}", proxy, expect_handler=_expect)
-    for name in ("openai_api", "tei_api"):
-        if importlib.util.find_spec(f"egemma.gateway.{name}"):
-            importlib.import_module(f"egemma.gateway.{name}").add_routes(app)
+    calls.init(app)
+    tei_api.init(app)
+    routes = [("GET", "/v2/health/live", live), ("GET", "/v2/health/ready", ready),
+              ("*", r"/v2{tail:(/.*)?}", proxy), *openai_api.ROUTES, *tei_api.ROUTES]
+    for method, path, handler in routes:  # a GET route answers HEAD too, as aiohttp's add_get makes it
+        add = app.router.add_get if method == "GET" else functools.partial(app.router.add_route, method)
+        add(path, handler, expect_handler=expect)
     return app
+
+
+def read_key(path: str | None) -> bytes | None:
+    """The API key from its file (a mounted k8s Secret: one line; surrounding whitespace is not part of it)."""
+    if path is None:
+        return None
+    key = Path(path).read_bytes().strip()
+    if not key or not key.isascii() or any(c < 0x21 for c in key):
+        raise SystemExit(f"the API key in {path} must be one word of printable ASCII")
+    return key
 
 
 def main(argv=None):
@@ -180,6 +197,8 @@ def main(argv=None):
     ap.add_argument("--idle-timeout", type=float, default=60.0,
                     help="seconds a connection may wait for a complete request (headers) before it is closed")
     ap.add_argument("--body-timeout", type=float, default=60.0, help="seconds for a request's whole body")
+    ap.add_argument("--api-key-file", help="a file holding the API key that inference routes require "
+                                           "(Authorization: Bearer KEY; KServe also api-key: KEY)")
     ap.add_argument("--exit-with-parent", type=int, metavar="PID",
                     help="exit when process PID (the launcher, our parent) dies, even by SIGKILL")
     a = ap.parse_args(argv)
@@ -191,7 +210,7 @@ def main(argv=None):
     socks = [listen(a.host, p) for p in a.port]  # bound once, shared by the workers (one accept queue)
     gw = Gateway(triton_http=a.triton_http, triton_grpc=a.triton_grpc, model_name=a.model_name,
                  aliases=tuple(a.alias), max_body=a.max_request_bytes, health_file=a.health_file,
-                 triton_metrics=a.triton_metrics, body_timeout=a.body_timeout)
+                 triton_metrics=a.triton_metrics, body_timeout=a.body_timeout, api_key=read_key(a.api_key_file))
     run, loop = event_loop_runner()
 
     def worker(siblings: tuple[int, ...] = ()):
@@ -205,7 +224,7 @@ def main(argv=None):
         workers.append(pid)
     print(f"gateway: {', '.join(f'http://{a.host}:{p}' for p in a.port)} -> Triton HTTP {a.triton_http}, gRPC "
           f"{a.triton_grpc}; max request {a.max_request_bytes} bytes; {a.workers} worker(s) of at most "
-          f"{max_connections} connections on {loop}",
+          f"{max_connections} connections on {loop}; API key {'required' if gw.api_key else 'off'}",
           file=sys.stderr, flush=True)
     worker(tuple(workers))
     for pid in workers:  # draining too (serve() sent them SIGTERM)

@@ -12,6 +12,8 @@ from aiohttp import web
 from tritonclient.utils import InferenceServerException
 
 from egemma.engine.ids import complete
+from egemma.gateway.common import GW
+from egemma.gateway.errors import GatewayError, Kind
 from egemma.stub.adapter import triton_params
 
 ENSEMBLE, ENCODER, TOKENIZER = "embeddinggemma", "embeddinggemma_encoder", "embeddinggemma_tokenizer"
@@ -21,24 +23,17 @@ _OUT_EMB_TOK = [*_OUT_EMB, grpcclient.InferRequestedOutput("NUM_TOKENS")]
 _OUT_IDS = [grpcclient.InferRequestedOutput("INPUT_IDS"), grpcclient.InferRequestedOutput("SEQ_LEN")]
 
 
-class BackendError(Exception):
-    """A failed Triton call. kind: "invalid" (the request is at fault), "unavailable" (no server or model
-    now), "overloaded", or "internal"."""
-
-    def __init__(self, kind: str, message: str):
-        super().__init__(message)
-        self.kind = kind
-
-
-_KINDS = {"StatusCode.INVALID_ARGUMENT": "invalid", "StatusCode.UNAVAILABLE": "unavailable",
-          "StatusCode.RESOURCE_EXHAUSTED": "overloaded"}
+# a failed Triton call: the request at fault, no server or model now, a full queue; anything else is Triton's
+_KINDS = {"StatusCode.INVALID_ARGUMENT": Kind.VALIDATION, "StatusCode.UNAVAILABLE": Kind.UNHEALTHY,
+          "StatusCode.RESOURCE_EXHAUSTED": Kind.OVERLOADED}
 
 
 async def _infer(gw, model: str, inputs, outputs, params: dict):
     try:
-        return await gw.grpc.infer(model, inputs, outputs=outputs, parameters=params or None)
+        return await gw.grpc.infer(model, inputs, outputs=outputs, parameters=params or None,
+                                   headers=gw.grpc_headers)
     except InferenceServerException as e:
-        raise BackendError(_KINDS.get(str(e.status()), "internal"), e.message()) from None
+        raise GatewayError(_KINDS.get(str(e.status()), Kind.BACKEND), e.message()) from None
 
 
 def _chunks(n: int, size: int):
@@ -140,7 +135,7 @@ async def facts(app: web.Application) -> Facts:
         return st["facts"]
     async with st["lock"]:
         if "facts" not in st:
-            st["facts"] = await _load_facts(app["gw"])
+            st["facts"] = await _load_facts(app[GW])
     return st["facts"]
 
 
@@ -150,7 +145,7 @@ async def _load_facts(gw) -> Facts:
         tok = (await gw.grpc.get_model_config(TOKENIZER, as_json=True))["config"]
         enc = (await gw.grpc.get_model_config(ENCODER, as_json=True))["config"]
     except InferenceServerException as e:
-        raise BackendError("unavailable", f"cannot read the model configs from Triton: {e.message()}") from None
+        raise GatewayError(Kind.UNHEALTHY, f"cannot read the model configs from Triton: {e.message()}") from None
     checkpoint, tp = triton_params(tok)
     _, ep = triton_params(enc)
     cfg = ModelConfig.load(checkpoint)

@@ -1,20 +1,22 @@
 """The gateway's fast lane: the KServe v2 requests almost every client sends (GET or POST of /v2/..., HTTP/1.1,
 plain headers, a Content-Length body within the limit) parsed here by an asyncio Protocol and passed to Triton as
 they came, its answer back byte for byte, instead of through aiohttp's request machinery (twice the added latency
-and CPU per proxied query: perf/RESULTS.md run 31). Every connection starts here; at the first request that is anything else (chunked,
-compressed, Expect, percent-escapes, over-long or odd headers, the health routes, the OpenAI / TEI routes, another
-method or version) the connection is handed, with every byte it has sent, to aiohttp's handler for good, which
-answers it as before. So the lane never has to reject malformed HTTP itself: it only passes what it understands.
-The same guards (egemma.gateway.guard) stand before Triton on both paths, and the same idle and body deadlines."""
+and CPU per proxied query: perf/RESULTS.md run 31). Every connection starts here; at the first request that is
+anything else (chunked, compressed, Expect, percent-escapes, over-long or odd headers, the health routes, the
+OpenAI / TEI routes, another method or version) or that the gate refuses at its head (no API key, a body over the
+limit) the connection is handed, with every byte it has sent, to aiohttp's handler for good, which answers it as
+before. So the lane never has to reject malformed HTTP itself: it only passes what it understands. The same gate
+(egemma.gateway.admission.admit: API key, body limit, what Triton crashes on) stands before Triton on both paths,
+and the same idle and body deadlines; the lane's own refusals are in KServe's shape (egemma.gateway.errors)."""
 from __future__ import annotations
 
 import asyncio
-import http
 import logging
 import re
 import socket
 
-from egemma.gateway.guard import Rejected, check_kserve, error_body, failure
+from egemma.gateway.admission import admit
+from egemma.gateway.errors import GatewayError, Protocol, from_exception, raw
 
 _HEAD_LIMIT = 8192  # longer heads go to aiohttp, which passes Triton only the headers it uses (the lane: all)
 _REQUEST_LINE = re.compile(rb"(GET|POST) (/v2(?:[/?][!-$&-~]{0,8000})?) HTTP/1\.1\r\n")  # '%' goes to aiohttp
@@ -24,8 +26,28 @@ _CONNECTION = re.compile(rb"\r\nconnection:[^\r]*", re.I)
 _HAND_OVER = {b"transfer-encoding", b"content-encoding", b"expect", b"upgrade"}  # framing aiohttp knows
 _SLOW_PATHS = ("/v2/health/live", "/v2/health/ready")  # the watchdog's verdict: aiohttp's routes
 _PIPELINED = 64 << 10  # bytes of requests read ahead while one is at Triton; past it, reading pauses
-_REASONS = {s.value: s.phrase for s in http.HTTPStatus}
 log = logging.getLogger("egemma.gateway")
+
+
+def parse_head(buf: bytes | bytearray) -> tuple[str, dict[bytes, bytes], int, int] | None | bool:
+    """The request head at buf's start as the lane takes it: (path without the query, {lower-case name: value},
+    where the body starts, its length); None while the head is incomplete; False for a request the lane does not
+    take (aiohttp answers it)."""
+    end = buf.find(b"\r\n\r\n", 0, _HEAD_LIMIT)
+    if end < 0:
+        return False if len(buf) >= _HEAD_LIMIT else None
+    line = _REQUEST_LINE.match(buf)
+    if line is None or _HEADERS.fullmatch(buf, line.end(), end + 2) is None:
+        return False
+    fields = _FIELD.findall(buf, line.end(), end + 2)
+    headers = {k.lower(): v for k, v in fields}
+    n = headers.get(b"content-length", b"0" if line.group(1) == b"GET" else None)
+    if (n is None or not n.isdigit() or len(n) > 18 or n[:1] == b"0" and n != b"0"
+            or len(headers) != len(fields) or not _HAND_OVER.isdisjoint(headers)
+            or headers.get(b"connection", b"keep-alive").lower() not in (b"keep-alive", b"close")
+            or (path := line.group(2).split(b"?", 1)[0].decode()) in _SLOW_PATHS):
+        return False
+    return path, headers, end + 4, int(n)
 
 
 class Lanes:
@@ -66,7 +88,7 @@ class _Lane(asyncio.Protocol):
         self.busy = False  # a request is at Triton: the next one waits (one at a time, answers in order)
         self.reading_paused = self.writing_paused = self.advancing = self.handed = False
         self.timer, self.expires = None, None
-        self.pending = None  # (method, path, headers, body start, body length): the request at the buffer's head
+        self.pending = None  # (path, headers, body start, body length): the request at the buffer's head
         self.close_after = False
 
     def connection_made(self, transport):
@@ -108,7 +130,7 @@ class _Lane(asyncio.Protocol):
             while not (self.busy or self.writing_paused or self.handed or self.transport.is_closing()):
                 if self.pending is None and not self._head():
                     break
-                if self.handed or len(self.buf) < self.pending[3] + self.pending[4]:
+                if self.handed or len(self.buf) < self.pending[2] + self.pending[3]:
                     break
                 self._dispatch()
         except Exception:  # a bug must cost only this connection, never leave it hanging
@@ -143,32 +165,23 @@ class _Lane(asyncio.Protocol):
             self.transport.close()
 
     def _head(self) -> bool:
-        """Parse the request head at the buffer's start into self.pending: False while it is incomplete, or after
-        handing the connection over."""
-        end = self.buf.find(b"\r\n\r\n", 0, _HEAD_LIMIT)
-        if end < 0:
-            if len(self.buf) >= _HEAD_LIMIT:
-                self._hand_over()
-            return False
-        line = _REQUEST_LINE.match(self.buf)
-        if line is None or _HEADERS.fullmatch(self.buf, line.end(), end + 2) is None:
+        """Parse and admit the request head at the buffer's start into self.pending: False while it is incomplete,
+        or after handing the connection over (also a request that is refused)."""
+        head = parse_head(self.buf)
+        if not head:
+            return head is False and self._hand_over()
+        path, headers, start, n = head
+        try:
+            admit(self.lanes.gw, path, headers.get)
+        except GatewayError:  # aiohttp refuses it alike and reads on the body it refuses, so the client reads why
             return self._hand_over()
-        fields = _FIELD.findall(self.buf, line.end(), end + 2)
-        headers = {k.lower(): v for k, v in fields}
-        n = headers.get(b"content-length", b"0" if line.group(1) == b"GET" else None)
-        if (n is None or not n.isdigit() or len(n) > 18 or n[:1] == b"0" and n != b"0"
-                or int(n) > self.lanes.gw.max_body or len(headers) != len(fields)
-                or not _HAND_OVER.isdisjoint(headers)
-                or headers.get(b"connection", b"keep-alive").lower() not in (b"keep-alive", b"close")
-                or (path := line.group(2).split(b"?", 1)[0].decode()) in _SLOW_PATHS):
-            return self._hand_over()
-        self.pending = line.group(1), path, headers, end + 4, int(n)
-        if len(self.buf) < end + 4 + int(n):
+        self.pending = head
+        if len(self.buf) < start + n:
             self._deadline(self.lanes.gw.body_timeout)
         return True
 
     def _dispatch(self):
-        method, path, headers, start, n = self.pending
+        path, headers, start, n = self.pending
         request = bytes(self.buf[:start + n])
         del self.buf[:start + n]
         self.pending, self.busy = None, True
@@ -179,10 +192,11 @@ class _Lane(asyncio.Protocol):
             start = request.find(b"\r\n\r\n") + 4
         if n:  # a GET body too: never trust Triton to ignore it
             try:
-                ihcl = headers.get(b"inference-header-content-length")
-                check_kserve(path, None if ihcl is None else ihcl.decode("latin-1"), request[start:])
-            except Rejected as e:
+                admit(self.lanes.gw, path, headers.get, request[start:])
+            except GatewayError as e:
                 return self._answered(e)
+        if b"api-key" not in headers and self.lanes.gw.api_key is not None:  # admitted on Bearer: Triton's header
+            request = request[:start - 2] + b"api-key: " + self.lanes.gw.api_key + b"\r\n" + request[start - 2:]
         self.lanes.gw.upstream.send_raw(request, self._answered)
 
     def _hand_over(self) -> bool:
@@ -212,10 +226,7 @@ class _Lane(asyncio.Protocol):
         if self.transport.is_closing():
             return
         if isinstance(res, BaseException):
-            status, message = failure(res)
-            ct, body = error_body(message)
-            data, h = (f"HTTP/1.1 {status} {_REASONS[status]}\r\nContent-Type: {ct['content-type']}\r\n"
-                       f"Content-Length: {len(body)}\r\n\r\n").encode() + body, {}
+            data, h = raw(from_exception(res), Protocol.KSERVE), {}
         else:
             data, _, h, _ = res
         close = self.close_after or self.lanes.draining is not None or h.get("connection", "").lower() == "close"

@@ -1,122 +1,95 @@
 """OpenAI-compatible routes on the gateway: POST /v1/embeddings, GET /v1/models, GET /v1/models/{id}.
 
 POST /v1/embeddings body (unknown fields are a 400, as OpenAI answers them):
-  input            str | [str] | [int] | [[int]]   at most 2048 inputs; ids are this model's tokenizer's ids
+  input            str | [str] | [int] | [[int]]   at most 2048 inputs, none an empty string; a flat [int] is one
+                   input of at most 2048 ids (OpenAI's schema); ids are this model's tokenizer's ids
   model            the served model's name or a configured alias (absent: the served model); else 404
   dimensions       a Matryoshka size the server allows (768, 512, 256, 128 for EmbeddingGemma)
   encoding_format  "float" (default) | "base64" (little-endian fp32, what the openai client asks for by default)
   user             accepted and ignored
   prompt_name, prompt, truncate   extensions, as the KServe request parameters (text input only for prompts)
+Errors are GatewayErrors, answered in OpenAI's shape by the gateway's middleware (egemma.gateway.app).
 Token ids: BOS is prepended unless the first id is BOS and EOS appended unless the last is EOS, so ids with or
 without specials (e.g. from TEI /tokenize) embed exactly as their text; over 2048 tokens they are cut keeping
 EOS last, or with truncate=false rejected. usage.prompt_tokens counts what was embedded (prompt, BOS, EOS)."""
 from __future__ import annotations
 
 import base64
-import logging
 import time
 
 import numpy as np
-import orjson
 from aiohttp import web
 
 from egemma.gateway import calls
-from egemma.gateway.guard import Rejected, read_body
+from egemma.gateway.common import GW, json_response, options, read_json
+from egemma.gateway.errors import GatewayError, Kind
 
 FIELDS = {"input", "model", "dimensions", "encoding_format", "user", "prompt_name", "prompt", "truncate"}
 _CREATED = int(time.time())
-log = logging.getLogger("egemma")
-
-
-class OpenAIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status, self.param, self.code = status, param, code
-
-
-def json_response(obj, status: int = 200) -> web.Response:
-    """orjson: fp32 arrays as their shortest round-trip decimals, ~15x faster than json with float lists."""
-    return web.Response(body=orjson.dumps(obj, option=orjson.OPT_SERIALIZE_NUMPY), status=status,
-                        content_type="application/json")
-
-
-def error_response(status: int, message: str, param=None, code=None) -> web.Response:
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    return json_response({"error": {"message": message, "type": kind, "param": param, "code": code}}, status)
-
-
-_BACKEND_STATUS = {"invalid": 400, "unavailable": 503, "overloaded": 429, "internal": 502}
-
-
-async def read_json(request: web.Request, error) -> dict:
-    """The body as a JSON object, or `error(status, message)` raised: 413 over the gateway's body limit
-    (checked on Content-Length before reading, as the KServe routes do)."""
-    try:
-        body = orjson.loads(await read_body(request, request.app["gw"]))
-    except Rejected as e:
-        raise error(e.status, str(e)) from None
-    except orjson.JSONDecodeError as e:
-        raise error(400, f"the body is not valid JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise error(400, "the body must be a JSON object")
-    return body
 
 
 def check_model(gw, name) -> None:
     if name is not None and not isinstance(name, str):
-        raise OpenAIError(400, f"model must be a string, got {name!r}", "model")
+        raise GatewayError(Kind.VALIDATION, f"model must be a string, got {name!r}", "model")
     if name is not None and name != gw.model_name and name not in gw.aliases:
-        raise OpenAIError(404, f"The model `{name}` does not exist; this server serves `{gw.model_name}`"
-                               + (f" (aliases: {', '.join(gw.aliases)})" if gw.aliases else ""), "model",
-                          "model_not_found")
+        raise GatewayError(Kind.NOT_FOUND, f"The model `{name}` does not exist; this server serves `{gw.model_name}`"
+                                           + (f" (aliases: {', '.join(gw.aliases)})" if gw.aliases else ""), "model",
+                           "model_not_found")
 
 
 def parse_input(x) -> tuple[str, list]:
-    """("text", [str]) or ("ids", [[int]])."""
+    """("text", [str]) or ("ids", [[int]]), by OpenAI's schema: a string, or at most 2048 strings, or one list of
+    at most 2048 token ids (one input), or at most 2048 lists of token ids (each of any length: over 2048 tokens
+    cut, as text is)."""
+    what = ("input must be a string, a list of strings, a list of token ids or a list of lists of token ids, "
+            "and not empty")
     if isinstance(x, str):
-        return "text", [x]
-    if not isinstance(x, list) or not x:
-        raise OpenAIError(400, "input must be a string, a list of strings, a list of token ids or a list of "
-                               "lists of token ids, and not empty", "input")
-    if len(x) > calls.MAX_INPUTS:
-        raise OpenAIError(400, f"input has {len(x)} items, over the limit of {calls.MAX_INPUTS}", "input")
-    if all(isinstance(t, str) for t in x):
-        return "text", x
-    if all(type(t) is int for t in x):
         x = [x]
-    if not all(isinstance(r, list) and r and all(type(t) is int for t in r) for r in x):
-        raise OpenAIError(400, "input must be all strings or all token id lists (non-empty lists of integers)",
-                          "input")
-    return "ids", x
+    if not isinstance(x, list) or not x:
+        raise GatewayError(Kind.VALIDATION, what, "input")
+    if all(isinstance(t, str) for t in x):
+        kind, rows = "text", x
+    elif all(type(t) is int for t in x):
+        if len(x) > calls.MAX_INPUTS:
+            raise GatewayError(Kind.VALIDATION, f"input is one list of {len(x)} token ids, over the limit of "
+                                                f"{calls.MAX_INPUTS} for a flat list of ids (OpenAI's schema); send "
+                                                "a longer input as a list of one token-id list, cut to 2048 tokens "
+                                                "unless truncate is false", "input")
+        kind, rows = "ids", [x]
+    elif all(isinstance(r, list) and r and all(type(t) is int for t in r) for r in x):
+        kind, rows = "ids", x
+    else:
+        raise GatewayError(Kind.VALIDATION, "input must be all strings or all token id lists (non-empty lists of "
+                                            "integers)", "input")
+    if len(rows) > calls.MAX_INPUTS:
+        raise GatewayError(Kind.VALIDATION, f"input has {len(rows)} inputs, over the limit of {calls.MAX_INPUTS} "
+                                            "inputs per request", "input")
+    if kind == "text" and "" in rows:
+        raise GatewayError(Kind.EMPTY, f"input[{rows.index('')}] is an empty string, which cannot be embedded",
+                           "input")
+    return kind, rows
 
 
 async def embeddings(request: web.Request) -> web.Response:
-    gw = request.app["gw"]
-    try:
-        body = await read_json(request, OpenAIError)
-        unknown = sorted(set(body) - FIELDS)
-        if unknown:
-            raise OpenAIError(400, f"Unrecognized request argument supplied: {', '.join(unknown)}", unknown[0])
-        check_model(gw, body.get("model"))
-        fmt = body.get("encoding_format") or "float"
-        if fmt not in ("float", "base64"):
-            raise OpenAIError(400, f"encoding_format must be 'float' or 'base64', got {fmt!r}", "encoding_format")
-        dims = body.get("dimensions")
-        if dims is not None and type(dims) is not int:
-            raise OpenAIError(400, f"dimensions must be an integer, got {dims!r}", "dimensions")
-        kind, items = parse_input(body.get("input"))
-        params = {k: body[k] for k in ("dimensions", "prompt_name", "prompt", "truncate") if body.get(k) is not None}
-        if kind == "text":
-            emb, ntok = await calls.embed_texts(gw, items, params)
-        else:
-            emb, ntok = await _embed_ids(request.app, items, params)
-    except OpenAIError as e:
-        return error_response(e.status, str(e), e.param, e.code)
-    except calls.BackendError as e:
-        return error_response(_BACKEND_STATUS[e.kind], str(e))
-    except Exception as e:  # a bug of ours: logged, and still an answer in OpenAI's shape
-        log.exception("openai /v1/embeddings")
-        return error_response(500, f"internal error: {type(e).__name__}: {e}")
+    gw = request.app[GW]
+    body = await read_json(request)
+    unknown = sorted(set(body) - FIELDS)
+    if unknown:
+        raise GatewayError(Kind.VALIDATION, f"Unrecognized request argument supplied: {', '.join(unknown)}",
+                           unknown[0])
+    check_model(gw, body.get("model"))
+    fmt = body.get("encoding_format") or "float"
+    if fmt not in ("float", "base64"):
+        raise GatewayError(Kind.VALIDATION, f"encoding_format must be 'float' or 'base64', got {fmt!r}",
+                           "encoding_format")
+    if body.get("user") is not None and not isinstance(body["user"], str):
+        raise GatewayError(Kind.VALIDATION, f"user must be a string, got {body['user']!r}", "user")
+    params = options(body, ("dimensions", "prompt_name", "prompt", "truncate"))
+    kind, items = parse_input(body.get("input"))
+    if kind == "text":
+        emb, ntok = await calls.embed_texts(gw, items, params)
+    else:
+        emb, ntok = await _embed_ids(request.app, items, params)
     vecs = [base64.b64encode(e.astype("<f4").tobytes()).decode() for e in emb] if fmt == "base64" else emb
     tokens = int(ntok.sum())
     return json_response({
@@ -128,16 +101,14 @@ async def embeddings(request: web.Request) -> web.Response:
 async def _embed_ids(app, rows: list[list[int]], params: dict) -> tuple[np.ndarray, np.ndarray]:
     for k in ("prompt_name", "prompt"):
         if k in params:
-            raise OpenAIError(400, f"{k} applies to text input; with token ids, put the prompt's ids first", k)
+            raise GatewayError(Kind.VALIDATION, f"{k} applies to text input; with token ids, put the prompt's ids "
+                                                "first", k)
     facts = await calls.facts(app)
-    truncate = params.pop("truncate", True)
-    if type(truncate) is not bool:
-        raise OpenAIError(400, f"truncate must be true or false, got {truncate!r}", "truncate")
     try:
-        seqs = calls.complete_ids(rows, facts, truncate)
+        seqs = calls.complete_ids(rows, facts, params.pop("truncate", True))
     except ValueError as e:
-        raise OpenAIError(400, str(e), "input") from None
-    return await calls.embed_ids(app["gw"], seqs, params), np.array([len(s) for s in seqs])
+        raise GatewayError(Kind.VALIDATION, str(e), "input") from None
+    return await calls.embed_ids(app[GW], seqs, params), np.array([len(s) for s in seqs])
 
 
 def _model(gw, name: str) -> dict:
@@ -145,21 +116,15 @@ def _model(gw, name: str) -> dict:
 
 
 async def models(request: web.Request) -> web.Response:
-    gw = request.app["gw"]
+    gw = request.app[GW]
     return json_response({"object": "list", "data": [_model(gw, n) for n in (gw.model_name, *gw.aliases)]})
 
 
 async def model(request: web.Request) -> web.Response:
-    gw, name = request.app["gw"], request.match_info["id"]
-    try:
-        check_model(gw, name)
-    except OpenAIError as e:
-        return error_response(e.status, str(e), e.param, e.code)
+    gw, name = request.app[GW], request.match_info["id"]
+    check_model(gw, name)
     return json_response(_model(gw, name))
 
 
-def add_routes(app: web.Application) -> None:
-    calls.init(app)
-    app.router.add_post("/v1/embeddings", embeddings)
-    app.router.add_get("/v1/models", models)
-    app.router.add_get("/v1/models/{id:.+}", model)  # ids such as google/embeddinggemma-300m hold a slash
+ROUTES = [("POST", "/v1/embeddings", embeddings), ("GET", "/v1/models", models),
+          ("GET", r"/v1/models/{id:[\s\S]+}", model)]  # ids hold slashes (google/embeddinggemma-300m), any character

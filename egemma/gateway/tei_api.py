@@ -17,67 +17,38 @@ server differs from TEI:
 from __future__ import annotations
 
 import asyncio
-import logging
 from importlib import metadata
 
 import numpy as np
 from aiohttp import web
 
 from egemma.gateway import calls
-from egemma.gateway.app import verdict
-from egemma.gateway.openai_api import json_response, read_json
+from egemma.gateway.common import GW, json_response, options, read_json, verdict
+from egemma.gateway.errors import GatewayError, Kind
 from egemma.gateway.upstream import Upstream
 
-# TEI's ErrorType -> status (router/src/http/server.rs); "invalid" backend errors are the request's fault
-STATUS = {"Unhealthy": 503, "Backend": 424, "Overloaded": 429, "Tokenizer": 422, "Validation": 422, "Empty": 400}
-_BACKEND_TYPE = {"invalid": "Validation", "unavailable": "Unhealthy", "overloaded": "Overloaded",
-                 "internal": "Backend"}
 _VOCAB = web.AppKey("egemma_vocab", dict)
-log = logging.getLogger("egemma")
-
-
-class TEIError(Exception):
-    def __init__(self, status: int, message: str, error_type: str | None = None):
-        super().__init__(message)
-        self.status = status
-        self.error_type = error_type or "Validation"
-
-
-def error_response(status: int, message: str, error_type: str) -> web.Response:
-    return json_response({"error": message, "error_type": error_type}, status)
-
-
-def _handle(fn):
-    async def route(request: web.Request) -> web.Response:
-        try:
-            return await fn(request)
-        except TEIError as e:
-            return error_response(e.status, str(e), e.error_type)
-        except calls.BackendError as e:
-            t = _BACKEND_TYPE[e.kind]
-            return error_response(STATUS[t], str(e), t)
-        except Exception as e:  # a bug of ours: logged, and still an answer in TEI's shape
-            log.exception("tei %s", request.path)
-            return error_response(500, f"internal error: {type(e).__name__}: {e}", "Backend")
-    return route
 
 
 def _inputs(x, ids_ok: bool) -> list:
-    """TEI's Input: a string, one id list, or a list of strings / id lists; returns the list."""
+    """TEI's Input: a string, one id list, or a list of strings / id lists; returns the list. Nothing in it may be
+    empty (TEI's tokenizer refuses an empty input: `Empty`)."""
     if isinstance(x, str) or (ids_ok and isinstance(x, list) and x and all(type(t) is int for t in x)):
         x = [x]
     if not isinstance(x, list):
-        raise TEIError(422, "inputs must be a string or a list of " + ("strings or token id lists" if ids_ok
-                                                                      else "strings"))
+        raise GatewayError(Kind.VALIDATION, "inputs must be a string or a list of "
+                           + ("strings or token id lists" if ids_ok else "strings"), "inputs")
     if not x:
-        raise TEIError(400, "`inputs` cannot be empty", "Empty")
+        raise GatewayError(Kind.EMPTY, "`inputs` cannot be empty", "inputs")
     if len(x) > calls.MAX_INPUTS:
-        raise TEIError(422, f"batch size {len(x)} > maximum allowed batch size {calls.MAX_INPUTS}")
+        raise GatewayError(Kind.VALIDATION, f"batch size {len(x)} > maximum allowed batch size {calls.MAX_INPUTS}",
+                           "inputs")
     for j, t in enumerate(x):
         if not (isinstance(t, str) or ids_ok and isinstance(t, list) and all(type(i) is int for i in t)):
-            raise TEIError(422, f"inputs[{j}] must be a string" + (" or a list of token ids" if ids_ok else ""))
-        if isinstance(t, list) and not t:
-            raise TEIError(400, f"inputs[{j}] is empty", "Empty")
+            raise GatewayError(Kind.VALIDATION, f"inputs[{j}] must be a string"
+                               + (" or a list of token ids" if ids_ok else ""), "inputs")
+        if not t:
+            raise GatewayError(Kind.EMPTY, f"`inputs` cannot be empty: inputs[{j}] is", "inputs")
     return x
 
 
@@ -86,33 +57,32 @@ def _flag(body: dict, key: str, default):
     if v is None:
         return default
     if type(v) is not bool:
-        raise TEIError(422, f"{key} must be true or false, got {v!r}")
+        raise GatewayError(Kind.VALIDATION, f"{key} must be true or false, got {v!r}", key)
     return v
 
 
 def _left(body: dict) -> bool:
     d = body.get("truncation_direction") or "right"
     if d not in ("left", "Left", "right", "Right"):
-        raise TEIError(422, f"truncation_direction must be Left or Right, got {d!r}")
+        raise GatewayError(Kind.VALIDATION, f"truncation_direction must be Left or Right, got {d!r}",
+                           "truncation_direction")
     return d.lower() == "left"
 
 
 async def embed(request: web.Request) -> web.Response:
-    gw = request.app["gw"]
-    body = await read_json(request, _read_error)
+    gw = request.app[GW]
+    body = await read_json(request)
     items = _inputs(body.get("inputs"), ids_ok=True)
     if not _flag(body, "normalize", True):
-        raise TEIError(422, "normalize=false is not supported: this model's embeddings are always L2-normalised "
-                            "(its Normalize module runs inside the encoder)")
+        raise GatewayError(Kind.VALIDATION, "normalize=false is not supported: this model's embeddings are always "
+                                            "L2-normalised (its Normalize module runs inside the encoder)")
     truncate, left = _flag(body, "truncate", True), _left(body)
-    for k, t in (("prompt_name", str), ("dimensions", int)):
-        if body.get(k) is not None and type(body[k]) is not t:
-            raise TEIError(422, f"{k} must be {'a string' if t is str else 'an integer'}, got {body[k]!r}")
-    params = {k: body[k] for k in ("prompt_name", "dimensions") if body.get(k) is not None}
+    params = options(body, ("prompt_name", "dimensions"))
     text_at = [j for j, t in enumerate(items) if isinstance(t, str)]
     ids_at = [j for j, t in enumerate(items) if not isinstance(t, str)]
     if ids_at and "prompt_name" in params:
-        raise TEIError(422, "prompt_name applies to text inputs; with token ids, put the prompt's ids first")
+        raise GatewayError(Kind.VALIDATION, "prompt_name applies to text inputs; with token ids, put the prompt's "
+                                            "ids first", "prompt_name")
     # left truncation can be honoured exactly when nothing is cut: then ask for no truncation at all
     cut = truncate and not left
     text_params = params if cut else {**params, "truncate": False}  # no parameter at all: Triton's fast path
@@ -120,10 +90,11 @@ async def embed(request: web.Request) -> web.Response:
         parts = await calls.gather(
             calls.embed_texts(gw, [items[j] for j in text_at], text_params) if text_at else _none(),
             _embed_ids(request.app, [items[j] for j in ids_at], params, cut) if ids_at else _none())
-    except (calls.BackendError, TEIError) as e:
-        if left and truncate and getattr(e, "kind", "invalid") == "invalid":  # maybe an input that needs cutting
-            raise TEIError(422, f"{e}; truncation_direction=left is honoured only for inputs that need no "
-                                "truncation (this server cuts on the right, keeping EOS last)") from None
+    except GatewayError as e:
+        if left and truncate and e.kind is Kind.VALIDATION:  # maybe an input that needs cutting
+            raise GatewayError(Kind.VALIDATION, f"{e}; truncation_direction=left is honoured only for inputs that "
+                                                "need no truncation (this server cuts on the right, keeping EOS "
+                                                "last)") from None
         raise
     out = [None] * len(items)
     for at, part in zip((text_at, ids_at), parts):
@@ -140,27 +111,21 @@ async def _embed_ids(app, rows, params, truncate):
     try:
         seqs = calls.complete_ids(rows, await calls.facts(app), truncate)
     except ValueError as e:
-        raise TEIError(422, f"token ids: {e}") from None
-    return (await calls.embed_ids(app["gw"], seqs, params),)
-
-
-def _read_error(status: int, message: str) -> TEIError:
-    return TEIError(status, message, "Validation")
+        raise GatewayError(Kind.VALIDATION, f"token ids: {e}", "inputs") from None
+    return (await calls.embed_ids(app[GW], seqs, params),)
 
 
 async def embed_all(request: web.Request) -> web.Response:
-    return error_response(501, "embed_all is not available: the encoder returns pooled, projected embeddings; "
-                               "per-token hidden states never leave its CUDA graph", "Backend")
+    raise GatewayError(Kind.NOT_IMPLEMENTED, "embed_all is not available: the encoder returns pooled, projected "
+                                             "embeddings; per-token hidden states never leave its CUDA graph")
 
 
 async def tokenize(request: web.Request) -> web.Response:
-    gw = request.app["gw"]
-    body = await read_json(request, _read_error)
+    gw = request.app[GW]
+    body = await read_json(request)
     texts = _inputs(body.get("inputs"), ids_ok=False)
     specials = _flag(body, "add_special_tokens", True)
-    params = {"truncate": _flag(body, "truncate", True)}
-    if body.get("prompt_name") is not None:
-        params["prompt_name"] = body["prompt_name"]
+    params = {"truncate": _flag(body, "truncate", True), **options(body, ("prompt_name",))}
     seqs = await calls.tokenize(gw, texts, params)
     vocab = await _vocab(request.app)
     return json_response([[{"id": i, "text": vocab["pieces"][i], "special": i in vocab["special"],
@@ -182,7 +147,7 @@ async def _vocab(app) -> dict:
 
 
 async def info(request: web.Request) -> web.Response:
-    gw = request.app["gw"]
+    gw = request.app[GW]
     f = await calls.facts(request.app)
     try:
         version = metadata.version("embeddinggemma-triton")
@@ -200,7 +165,7 @@ async def info(request: web.Request) -> web.Response:
 async def health_route(request: web.Request) -> web.Response:
     """200 (empty) while serving, else 503: the watchdog's verdict when the launcher runs one, else Triton's
     readiness of the ensemble. Also the OpenAI-side /health (vLLM's: 200, empty)."""
-    gw = request.app["gw"]
+    gw = request.app[GW]
     if gw.health_file:
         ok, why = verdict(gw)
     else:
@@ -210,29 +175,31 @@ async def health_route(request: web.Request) -> web.Response:
             ok, why = False, f"Triton is not reachable: {e}"
         else:
             why = "the model is not ready"
-    return web.Response(status=200) if ok else error_response(503, f"unhealthy: {why}", "Unhealthy")
+    if not ok:
+        raise GatewayError(Kind.UNHEALTHY, f"unhealthy: {why}")
+    return web.Response(status=200)
 
 
 async def metrics(request: web.Request) -> web.Response:
     """Triton's Prometheus text as it is (nv_inference_*, egemma_*), from its metrics port."""
-    gw = request.app["gw"]
+    gw = request.app[GW]
     if not gw.triton_metrics:
-        return error_response(404, "no metrics here: the gateway was started without --triton-metrics; "
-                                   "Triton's are on its metrics port (8002 by default)", "Backend")
+        raise GatewayError(Kind.NOT_FOUND, "no metrics here: the gateway was started without --triton-metrics; "
+                                           "Triton's are on its metrics port (8002 by default)")
     up = Upstream(gw.triton_metrics)  # a scrape every few seconds at most: no pool to keep
     try:
         status, _, text = await up.request("GET", "/metrics", {}, None)
     except (OSError, asyncio.TimeoutError) as e:
-        return error_response(503, f"Triton's metrics endpoint is not reachable: {e}", "Unhealthy")
+        raise GatewayError(Kind.UNHEALTHY, f"Triton's metrics endpoint is not reachable: {e}") from None
     finally:
         up.close()
     return web.Response(body=text, status=status, content_type="text/plain", charset="utf-8")
 
 
-def add_routes(app: web.Application) -> None:
-    calls.init(app)
+ROUTES = [("POST", "/", embed), ("POST", "/embed", embed), ("POST", "/embed_all", embed_all),
+          ("POST", "/tokenize", tokenize), ("GET", "/info", info), ("GET", "/health", health_route),
+          ("GET", "/metrics", metrics)]
+
+
+def init(app: web.Application) -> None:
     app[_VOCAB] = {}
-    for path, fn in (("/", embed), ("/embed", embed), ("/embed_all", embed_all), ("/tokenize", tokenize)):
-        app.router.add_post(path, _handle(fn))
-    for path, fn in (("/info", info), ("/health", health_route), ("/metrics", metrics)):
-        app.router.add_get(path, _handle(fn))

@@ -2,6 +2,7 @@
 
   python -m egemma.ops.launcher [--model DIR] [--host 127.0.0.1] [--http-port 8000] [--grpc-port 8001]
                           [--metrics-port 8002] [--gpus all|0,1,...] [--admin-key KEY] [--exit-timeout-secs 30]
+                          [--api-key KEY | --api-key-file PATH]
                           [--no-watchdog]
                           [--watchdog-max-busy 120]
                           [--openai-port 8080] [--max-request-bytes 3145728] [--gateway-workers K]
@@ -18,6 +19,11 @@ none); the model-repository, shared-memory, trace and logging APIs answer only r
 drains in-flight requests for up to --exit-timeout-secs; a watchdog (egemma.ops.watchdog) restarts the server when
 a model stops answering, since Triton does not restart a crashed Python backend stub and keeps reporting
 ready.
+
+API key (--api-key, or --api-key-file for a mounted secret): inference answers only to it, on every port: the
+gateway's OpenAI and TEI routes take `Authorization: Bearer KEY`, its KServe routes that or `api-key: KEY`, and
+Triton's gRPC the metadata `triton-grpc-protocol-api-key: KEY`; health, metadata and metrics stay open. The key is
+never printed.
 
 HTTP: the user-facing HTTP port (and --openai-port, a second port of the same process) is the gateway
 (egemma.gateway.app), which checks every request and proxies KServe v2 to Triton's own HTTP on a loopback-only
@@ -36,8 +42,8 @@ from egemma.engine.cpus import usable_cores
 from egemma.ops.host import parse_gpus, visible_gpus
 from egemma.ops.repository import ROOT, resolve_checkpoint
 from egemma.ops.front import Front
-from egemma.ops.tritonserver import ADMIN_APIS, ADMIN_HEADER, TritonServer, free_port
-from egemma.gateway.app import DEFAULT_MAX_BODY
+from egemma.ops.tritonserver import ADMIN_APIS, ADMIN_HEADER, API_HEADER, TritonServer, free_port
+from egemma.gateway.app import DEFAULT_MAX_BODY, read_key
 
 
 def main(argv=None):
@@ -60,6 +66,9 @@ def main(argv=None):
     ap.add_argument("--admin-key", default=os.environ.get("EGEMMA_ADMIN_KEY"),
                     help=f"value of the '{ADMIN_HEADER}' header that the {ADMIN_APIS} APIs require "
                          "(default: $EGEMMA_ADMIN_KEY, else random, printed at start)")
+    key_arg = ap.add_mutually_exclusive_group()
+    key_arg.add_argument("--api-key", help="the key inference requires on every port (default: none, open)")
+    key_arg.add_argument("--api-key-file", type=Path, help="a file holding it (e.g. a mounted k8s Secret)")
     ap.add_argument("--exit-timeout-secs", type=int, default=30,
                     help="on SIGTERM, how long in-flight requests may take to finish (default 30)")
     ap.add_argument("--response-cache-mb", type=int, default=0, metavar="MB",
@@ -93,13 +102,15 @@ def main(argv=None):
     params = dict(p.split("=", 1) for p in a.param)
     instances = {m: int(n) for m, n in (p.split("=", 1) for p in a.instances)}
     key = a.admin_key or secrets.token_urlsafe(16)
+    api_key_file = _api_key_file(a)
+    api_key = read_key(api_key_file).decode() if api_key_file else None
     # one port for every restart (the gateway's upstream), none of those asked for
     internal = a.triton_http_port or free_port(avoid={a.http_port, a.grpc_port, a.metrics_port, a.openai_port})
 
     def start():
         return TritonServer(ckpt, a.host, internal, a.grpc_port, a.metrics_port, a.run_dir, params,
                             admin_key=key, exit_timeout_secs=a.exit_timeout_secs, instances=instances, gpus=gpus,
-                            http_host="127.0.0.1", response_cache_mb=a.response_cache_mb)
+                            http_host="127.0.0.1", api_key=api_key, response_cache_mb=a.response_cache_mb)
 
     # The handler only flags (set before starting, so an early SIGTERM is not lost); the main loop stops the
     # server, which waits for in-flight requests, something a signal handler should not do.
@@ -119,7 +130,8 @@ def main(argv=None):
                    f"--triton-grpc={h}:{a.grpc_port}", f"--triton-metrics={h}:{a.metrics_port}",
                    f"--max-request-bytes={a.max_request_bytes}", f"--workers={a.gateway_workers}",
                    f"--model-name={a.served_model_name}", *(f"--alias={n}" for n in a.alias),
-                   *([f"--health-file={health_file}"] if a.watchdog else [])], f"http://{h}:{a.http_port}")
+                   *([f"--health-file={health_file}"] if a.watchdog else []),
+                   *([f"--api-key-file={api_key_file}"] if api_key_file else [])], f"http://{h}:{a.http_port}")
     try:
         front.start()
     except (RuntimeError, TimeoutError):
@@ -132,6 +144,8 @@ ready: model 'embeddinggemma' (checkpoint {ckpt})
   metrics http://{h}:{a.metrics_port}/metrics
   admin   the {ADMIN_APIS} APIs need HTTP header '{ADMIN_HEADER}: {key}'
           (gRPC metadata 'triton-grpc-protocol-{ADMIN_HEADER}: {key}')
+  api key {f"required for inference (HTTP 'Authorization: Bearer KEY', KServe also '{API_HEADER}: KEY'; gRPC "
+           f"metadata 'triton-grpc-protocol-{API_HEADER}: KEY')" if api_key else 'none: inference is open to anyone'}
   watchdog {'on' if a.watchdog else 'off'}; SIGTERM drains in-flight requests for up to {a.exit_timeout_secs}s
   openai  {f'http://{h}:{a.openai_port}/v1/embeddings' if a.openai_port else f'http://{h}:{a.http_port}/v1/embeddings'}
 
@@ -154,6 +168,20 @@ print(c.infer('embeddinggemma', [i]).as_numpy('EMBEDDING'))"
     supervisor.stop()
     front.stop()
     sys.exit(rc)
+
+
+def _api_key_file(a) -> Path | None:
+    """Where the gateway reads the API key: --api-key-file as given, or --api-key written to a file only this user
+    reads (a key on the gateway's command line would show in `ps`)."""
+    if a.api_key is None:
+        return a.api_key_file
+    a.run_dir.mkdir(parents=True, exist_ok=True)
+    path = a.run_dir / "api-key"
+    path.unlink(missing_ok=True)  # created anew: its mode is ours
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(a.api_key)
+    return path
 
 
 if __name__ == "__main__":

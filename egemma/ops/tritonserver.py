@@ -26,6 +26,10 @@ from egemma.stub.instance import HEARTBEAT_DIR
 # and logs to files. Inference, health, metadata, config and statistics stay open.
 ADMIN_APIS = "model-repository,shared-memory,trace,logging"
 ADMIN_HEADER = "admin-key"
+# With an API key, Triton's `inference` category (infer, generate, streams) needs it too: HTTP header `api-key`,
+# gRPC metadata `triton-grpc-protocol-api-key` (Triton prefixes the name). Triton 2.51 refuses HTTP with a 403 and
+# gRPC with UNAVAILABLE ("This protocol is restricted, expecting header ..."); health and metadata stay open.
+API_HEADER = "api-key"
 # Instance counts without a GPU (TritonServer): each encoder instance is a CPU forward of its own.
 CPU_INSTANCES = {"embeddinggemma_encoder": 1, "embeddinggemma_tokenizer": 2}
 
@@ -81,7 +85,8 @@ class TritonServer:
                  run_dir: Path | None = None, params: dict[str, str] | None = None, log_file=None,
                  extra_args=(), ready_timeout=600.0, repository: Path = REPO, admin_key: str | None = None,
                  exit_timeout_secs: int = 30, instances: dict[str, int] | None = None, stub_bin: str | None = None,
-                 gpus: list[int] | None = None, http_host: str | None = None, response_cache_mb: int = 0):
+                 gpus: list[int] | None = None, http_host: str | None = None, api_key: str | None = None,
+                 response_cache_mb: int = 0):
         """instances: {model: count} over the repository's counts (without a GPU, over CPU_INSTANCES first: the
         repository's are for a GPU host, and on CPU each encoder instance is a forward competing for the cores;
         with one, the tokenizer's count from the host's cores, egemma.ops.host.tokenizer_instances).
@@ -89,12 +94,14 @@ class TritonServer:
         KIND_MODEL as in the repository (cuda:0, or the CPU).
         stub_bin: the bin directory of the Python environment the stubs run (default $TRITON_STUB_PATH, else
         this interpreter's). http_host: the address of Triton's own HTTP (default host; the launcher keeps it on
-        loopback behind egemma.gateway.app, since one request can crash it). response_cache_mb: Triton's response
-        cache of that many MiB for the encoder (egemma.ops.repository.render_repository)."""
+        loopback behind egemma.gateway.app, since one request can crash it). api_key: what inference requires
+        (API_HEADER), on both of Triton's ports; None: open. response_cache_mb: Triton's response cache of that many
+        MiB for the encoder (egemma.ops.repository.render_repository)."""
         self.host, self.http_port, self.grpc_port, self.metrics_port = host, http_port, grpc_port, metrics_port
         self.http_host = http_host or host
         # No key given: a random one, so the admin APIs are never open by accident.
         self.admin_key = admin_key or secrets.token_urlsafe(16)
+        self.api_key = api_key
         self.exit_timeout_secs = exit_timeout_secs
         self.run_dir = Path(run_dir or tempfile.mkdtemp(prefix="egemma-run-"))
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -119,6 +126,8 @@ class TritonServer:
                     f"--grpc-port={grpc_port}", f"--metrics-address={host}", f"--metrics-port={metrics_port}",
                     f"--http-restricted-api={ADMIN_APIS}:{ADMIN_HEADER}={self.admin_key}",
                     f"--grpc-restricted-protocol={ADMIN_APIS}:{ADMIN_HEADER}={self.admin_key}",
+                    *([f"--http-restricted-api=inference:{API_HEADER}={api_key}",
+                       f"--grpc-restricted-protocol=inference:{API_HEADER}={api_key}"] if api_key else []),
                     f"--exit-timeout-secs={exit_timeout_secs}",
                     *(self._cache_args(response_cache_mb, Path(backends).parent) if response_cache_mb > 0 else []),
                     *extra_args]

@@ -44,12 +44,15 @@ IDLE_CPU = 0.05  # of a core: a stub in execute using less is blocked (Python wa
 TOKENS_PER_MAX_BUSY = 64 * 2048  # ~25 s on two cores: one execute of more tokens may take max_busy x its share
 
 
-def canary(http_url: str, model: str = "embeddinggemma", timeout: float = 5.0) -> str | None:
-    """None if one short text embeds to a finite, non-empty vector within timeout, else why not."""
+def canary(http_url: str, model: str = "embeddinggemma", timeout: float = 5.0,
+           api_key: str | None = None) -> str | None:
+    """None if one short text embeds to a finite, non-empty vector within timeout, else why not. api_key: the
+    server's (egemma.ops.tritonserver.API_HEADER), where inference needs one."""
     body = json.dumps({"inputs": [{"name": "TEXT", "shape": [1, 1], "datatype": "BYTES",
                                    "data": ["watchdog canary"]}]}).encode()
     req = urllib.request.Request(f"http://{http_url}/v2/models/{model}/infer", data=body,
-                                 headers={"Content-Type": "application/json"})
+                                 headers={"Content-Type": "application/json",
+                                          **({"api-key": api_key} if api_key else {})})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             out = {o["name"]: o for o in json.load(r)["outputs"]}
@@ -130,7 +133,7 @@ class Watchdog:
             return stuck, True
         url, pid = self._url(), self.server.proc.pid
         done, cpu = completed(url), cpu_seconds(pid) or 0.0  # None: exited meanwhile, seen by the next check
-        why = canary(url, timeout=self.timeout)
+        why = canary(url, timeout=self.timeout, api_key=self.server.api_key)
         now, idle = time.monotonic(), (cpu_seconds(pid) or 0.0) - cpu < 0.25 * self.timeout
         if why is None:
             self._progress = now
