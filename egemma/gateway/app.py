@@ -25,7 +25,9 @@ over --max-connections per worker a new one gets a 503. Everything else, in both
 tritonclient.http (JSON and binary tensors), curl and perf_analyzer work as against Triton itself.
 /v2/health/live is the watchdog's verdict (egemma.gateway.health) when --health-file is given (Triton's own stays
 200 after a model process died); /v2/health/ready needs that verdict and Triton's ready. --workers K runs K
-processes on the same sockets (one process group; SIGTERM drains each).
+processes on the same sockets (one process group; SIGTERM drains each). SIGUSR1 (the launcher's first step of a
+stop) starts the drain: readiness answers 503 from then on, and the connections to Triton's HTTP close as soon as
+each is idle (Triton 2.51, stopping, waits for every open HTTP connection until its exit timeout).
 
 Route modules read the app's state as request.app["gw"], a Gateway; its gRPC client and the HTTP pool to Triton
 are made when the app starts and closed at cleanup. Route handlers may `await request.read()` / `.json()`:
@@ -38,6 +40,7 @@ import importlib
 import importlib.util
 import os
 import resource
+import signal
 import sys
 import warnings
 from dataclasses import dataclass, field
@@ -70,6 +73,12 @@ class Gateway:
     triton_metrics: str | None = None  # host:port of Triton's metrics, for TEI's GET /metrics
     body_timeout: float = 60.0  # s for a request's whole body to arrive
     upstream: Upstream | None = field(default=None, init=False)  # pooled connections to triton_http
+    draining: bool = field(default=False, init=False)  # SIGUSR1: the server is stopping
+
+    def drain(self):
+        self.draining = True
+        if self.upstream is not None:
+            self.upstream.drain()
 
 
 async def proxy(request: web.Request) -> web.Response:
@@ -108,6 +117,11 @@ def verdict(gw: Gateway) -> tuple[bool, str]:
     return health.read(gw.health_file, HEALTH_MAX_AGE) if gw.health_file else (True, "no watchdog")
 
 
+def readiness(gw: Gateway) -> tuple[bool, str]:
+    """The watchdog's verdict, and not while the server stops (liveness stays the verdict alone)."""
+    return (False, "draining: the server is stopping") if gw.draining else verdict(gw)
+
+
 async def live(request: web.Request) -> web.Response:
     gw: Gateway = request.app[_GW]
     if not gw.health_file:
@@ -117,7 +131,7 @@ async def live(request: web.Request) -> web.Response:
 
 
 async def ready(request: web.Request) -> web.Response:
-    ok, why = verdict(request.app[_GW])
+    ok, why = readiness(request.app[_GW])
     return await proxy(request) if ok else web.json_response({"ready": False, "why": why}, status=503)
 
 
@@ -143,6 +157,8 @@ async def _clients(app: web.Application):
     gw: Gateway = app[_GW]
     gw.grpc = grpcaio.InferenceServerClient(gw.triton_grpc)
     gw.upstream = Upstream(gw.triton_http)
+    if gw.draining:
+        gw.upstream.drain()
     yield
     gw.upstream.close()
     await gw.grpc.close()
@@ -183,6 +199,7 @@ def main(argv=None):
     ap.add_argument("--exit-with-parent", type=int, metavar="PID",
                     help="exit when process PID (the launcher, our parent) dies, even by SIGKILL")
     a = ap.parse_args(argv)
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # until serve() handles it: a drain must never kill a worker
     if a.exit_with_parent:
         exit_with_parent(a.exit_with_parent)
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)  # connections are file descriptors
@@ -195,7 +212,8 @@ def main(argv=None):
     run, loop = event_loop_runner()
 
     def worker(siblings: tuple[int, ...] = ()):
-        run(serve(make_app(gw), socks, max_connections, a.idle_timeout, siblings, Lanes(gw, a.idle_timeout)))
+        run(serve(make_app(gw), socks, max_connections, a.idle_timeout, siblings, Lanes(gw, a.idle_timeout),
+                  drain=gw.drain))
     workers = []
     for _ in range(a.workers - 1):
         if (pid := os.fork()) == 0:
