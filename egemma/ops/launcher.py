@@ -187,7 +187,11 @@ print(c.infer('embeddinggemma', [i]).as_numpy('EMBEDDING'))"
         cachedir.seal(a.cache_dir)
     print(f"stopped in {time.monotonic() - t0:.1f}s{' (at once: second signal)' if hurry.is_set() else ''}",
           flush=True)
-    sys.exit(rc or int(hurry.is_set()))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # everything is stopped and cleaned up: no interpreter teardown (with torch imported for the tokenizer's
+    # resolution it took seconds, which a stop should not)
+    os._exit(rc or int(hurry.is_set()))
 
 
 if __name__ == "__main__":
