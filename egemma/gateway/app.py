@@ -26,8 +26,9 @@ tritonclient.http (JSON and binary tensors), curl and perf_analyzer work as agai
 /v2/health/live is the watchdog's verdict (egemma.gateway.health) when --health-file is given (Triton's own stays
 200 after a model process died); /v2/health/ready needs that verdict and Triton's ready. --workers K runs K
 processes on the same sockets (one process group; SIGTERM drains each). SIGUSR1 (the launcher's first step of a
-stop) starts the drain: readiness answers 503 from then on, and the connections to Triton's HTTP close as soon as
-each is idle (Triton 2.51, stopping, waits for every open HTTP connection until its exit timeout).
+stop) starts the drain: readiness and new KServe requests answer 503 from then on (the requests already at Triton
+are answered), and the connections to Triton's HTTP close as soon as each is idle (Triton 2.51, stopping, waits
+for every open HTTP connection until its exit timeout).
 
 Route modules read the app's state as request.app["gw"], a Gateway; its gRPC client and the HTTP pool to Triton
 are made when the app starts and closed at cleanup. Route handlers may `await request.read()` / `.json()`:

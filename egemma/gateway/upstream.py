@@ -148,6 +148,8 @@ class Upstream:
         self._send(data, done)
 
     def _send(self, data: bytes, done):
+        if self.draining:  # Triton takes no new request once stopping (it resets new connections): say so first
+            return done(ConnectionRefusedError("the server is stopping; retry on another replica"))
         while self.idle:
             if not (conn := self.idle.pop()).closed:
                 return conn.start(data, lambda res: self._answered(conn, True, data, res, done))
@@ -180,6 +182,6 @@ class Upstream:
 
     def drain(self):
         """Triton is stopping: close the idle connections now and every other one after its answer (Triton 2.51
-        waits for open HTTP connections, idle ones too, until its exit timeout)."""
+        waits for open HTTP connections, idle ones too, until its exit timeout); refuse new requests (a 503)."""
         self.draining = True
         self.close()
