@@ -29,6 +29,10 @@
 #   front                perf/bench_front.py: one query over HTTP direct to Triton vs through the gateway (p50/p99,
 #                        interleaved), and the largest request (64 x 1 MB over gRPC) split per model; carry
 #                        .gpu/gateway-deps.tar.xz as for `gateway`; $EGEMMA_FRONT_ARGS go to it
+#   boot                 perf/boot.py: `python -m egemma.ops.launcher` on the full-size checkpoint started cold (empty
+#                        --cache-dir) then warm, each instance's boot phases, process start to ready, and the stop
+#                        after each (SIGTERM to exit); the launcher runs the gateway, so carry .gpu/gateway-deps.tar.xz
+#                        as for `gateway`; $EGEMMA_BOOT_ARGS go to it (launcher arguments after --)
 # Full logs and JSON go to $OUT. Needs .gpu/activate.sh and the archives named in perf/RESULTS.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -114,6 +118,10 @@ for step in "$@"; do
         | grep -v "^\[transformers\]" | tail -n 12
       cp /tmp/front/front.json /tmp/front/server.log "$OUT/" 2>/dev/null
       grep -h "CUDA graphs captured" /tmp/front/server.log | cut -c1-300 ;;
+    boot)
+      # shellcheck disable=SC2086  # the extra arguments are meant to split on spaces
+      python3 perf/boot.py "$FULL" --out "$OUT/boot.json" ${EGEMMA_BOOT_ARGS:-} 2>&1 | tee "$OUT/boot.log" \
+        | grep -v "^\[transformers\]" | tail -n 30 ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
   esac
 done

@@ -5,8 +5,9 @@ how long it took:
   egemma boot: pid=123 instance=embeddinggemma_encoder_0_0 phase=weights end=1733331091.512 seconds=4.210 source=cache
 
 Phases, in order: `import` (from the stub process's start to its model's initialize: the interpreter, torch,
-the adapter), `tokenizer` or `weights` (read, fused, on the device; `source` says checkpoint or cache), `kernels`
-(Triton-lang JIT and the timed kernel choices at load), `capture` (CUDA graphs), `ready` (the end of initialize).
+the adapter), `tokenizer` or `weights` (read, fused, on the device; `source`: checkpoint, checkpoint-cached or
+cache), `kernels` (Triton-lang JIT and the timed kernel choices at load), `capture` (CUDA graphs), `ready` (the end
+of initialize).
 begin() names the instance; a phase logged before it (the weights, read inside the engine) carries the pid only."""
 from __future__ import annotations
 

@@ -167,7 +167,7 @@ def _build_and_save(c: ModelConfig, dtype, p: Path):
     for old in p.parent.glob(f"{p.name.split('-')[0]}-*.safetensors"):
         if old != p:
             old.unlink(missing_ok=True)
-    return (g, stacked), "checkpoint, cached"
+    return (g, stacked), "checkpoint-cached"
 
 
 def load(c: ModelConfig, device, dtype) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
