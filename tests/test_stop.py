@@ -1,7 +1,8 @@
 """Stopping and leaving nothing behind, with the real launcher, gateway and tritonserver: SIGTERM on an idle server
 and under HTTP (through the gateway) and gRPC load, a second signal, a signal during boot; and for every way a server
 ends (SIGTERM, SIGKILL of tritonserver, a stub killed, the watchdog's restart, the launcher killed with SIGKILL and
-cleaned up at the next start) no shared-memory region with the server's prefix and no stub process of it remains."""
+cleaned up at the next start) no shared-memory region with the server's prefix and no stub process of it remains.
+(long: every stop path with its load drivers, in one place.)"""
 import os
 import signal
 import sys

@@ -38,8 +38,8 @@ def cached_tokenizer_json(path) -> str:
     transformers version; without $EGEMMA_CACHE_DIR, or with a cache that cannot be written, resolved each time."""
     if not os.environ.get(ENV):
         return resolved_tokenizer_json(path)
-    files = sorted(f for f in Path(path).iterdir() if f.is_file() and (f.name.startswith(("tokenizer", "special_"))
-                                                                       or f.name in ("added_tokens.json", "config.json")))
+    files = sorted(f for f in Path(path).iterdir() if f.is_file() and (
+        f.name.startswith(("tokenizer", "special_")) or f.name in ("added_tokens.json", "config.json")))
     key = hashlib.sha256(repr([(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files]
                               + [metadata.version("transformers")]).encode()).hexdigest()[:24]
     d = Path(os.environ[ENV]).expanduser() / "tokenizer"

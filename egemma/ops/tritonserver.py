@@ -33,9 +33,9 @@ ADMIN_HEADER = "admin-key"
 CPU_INSTANCES = {"embeddinggemma_encoder": 1, "embeddinggemma_tokenizer": 2}
 # Triton's stop logs this once every request has been answered and it starts to unload the models. The unload
 # is the slow part, and no request needs it: Triton 2.51's Python backend finalizes a model's instances one after
-# the other, each after a fixed 1 s wait for the stub's health flag, and Triton polls its models once a second, so
-# an idle server with 4 instances of a model took 5 s to exit (3 on CPU with 2; perf/RESULTS.md). stop() ends
-# the server's group there instead (no stub has anything to finalize; kill() removes what they leave).
+# the other, each after a fixed 1 s wait for the stub's health flag, and Triton polls its models once a second: on
+# CPU an idle server with 3 tokenizer instances took 4.9 s to exit (2.9 s with 1), so 2 s is out of reach that way.
+# stop() ends the server's group there instead (no stub has anything to finalize; kill() removes what they leave).
 DRAINED = b"All models are stopped, unloading models"
 
 
