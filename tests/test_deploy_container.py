@@ -28,7 +28,7 @@ def test_the_container_command_line_serves_every_probe_path_port_and_metric(chec
         if a == "--model":
             run[i + 1] = str(checkpoints["eos"])
         elif a in ("--run-dir", "--cache-dir"):
-            run[i + 1] = str(tmp_path / a[2:])
+            run[i + 1] = str(tmp_path / a[2:].split("-")[0])  # run, cache
         elif a.endswith("-port"):
             ports[int(run[i + 1])] = free_port()
             run[i + 1] = str(ports[int(run[i + 1])])

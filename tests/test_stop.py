@@ -75,6 +75,13 @@ def http_infer(port: int, texts, timeout=120):
         "inputs": [{"name": "TEXT", "shape": [len(texts), 1], "datatype": "BYTES", "data": texts}]})
 
 
+def health(port: int, path: str) -> int | None:
+    try:
+        return requests.get(f"http://127.0.0.1:{port}{path}", timeout=5).status_code
+    except requests.ConnectionError:
+        return None
+
+
 def embedding(r) -> np.ndarray:
     out = next(o for o in r.json()["outputs"] if o["name"] == "EMBEDDING")
     return np.array(out["data"], np.float32).reshape(out["shape"])
@@ -139,7 +146,8 @@ def _driver(kind: str, port: int, want, log: list, stop: threading.Event):
 
 
 def test_sigterm_under_load_answers_or_refuses_every_request(launch, checkpoints):
-    """Three HTTP clients (through the gateway) and three gRPC clients keep requests going across SIGTERM. Every
+    """Three HTTP clients (through the gateway) and three gRPC clients keep requests going across SIGTERM; readiness
+    (/v2/health/ready and /health) answers 503 while the requests in flight drain. Every
     request ends with the right embedding or is refused before any work (503, UNAVAILABLE, a refused connection);
     none is cut off, none hangs; requests in flight at the signal complete; the launcher exits 0 within 2 s of
     the last answer (+ slack for a busy machine), leaving nothing."""
@@ -156,6 +164,9 @@ def test_sigterm_under_load_answers_or_refuses_every_request(launch, checkpoints
         wait_for(lambda: sum(o == "ok" for *_, o in log) >= 6, 120, "requests to complete before the signal")
         signalled = time.monotonic()
         la.proc.send_signal(signal.SIGTERM)
+        # at once, while the requests in flight drain: not ready, on both health routes
+        wait_for(lambda: {health(la.ports[0], p) for p in ("/v2/health/ready", "/health")} == {503}, 5,
+                 "readiness to answer 503")
         rc = la.proc.wait(120)
         exited = time.monotonic()
     finally:
