@@ -16,22 +16,16 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from egemma.ops import shm
-from egemma.ops.procfs import argv, gone, stub_pids
+from egemma.ops.procfs import gone, stub_pids
 from egemma.stub.instance import read_heartbeats
-from helpers import GOOD, Launcher, assert_close, reference, text_input, wait_for
+from helpers import GOOD, Launcher, assert_close, reference, shm_prefix, text_input, wait_for
 
 BAD_LINES = ("Exit timeout expired", "Non-graceful termination detected")
 
 
-def prefix_of(server_pid: int) -> str:
-    """The shared-memory prefix a tritonserver was started with."""
-    arg = next(a for a in argv(server_pid) if "shm-region-prefix-name=" in a)
-    return arg.split("shm-region-prefix-name=", 1)[1]
-
-
 def snapshot(server_pid: int) -> tuple[str, list[int]]:
     """(its prefix, its stubs' pids), after checking that it has regions and stubs to leave behind."""
-    prefix, stubs = prefix_of(server_pid), sorted(stub_pids(server_pid))
+    prefix, stubs = shm_prefix(server_pid), sorted(stub_pids(server_pid))
     assert shm.regions(prefix) and stubs, (prefix, shm.regions(prefix), stubs)
     return prefix, stubs
 
@@ -216,7 +210,7 @@ def test_sigterm_during_boot_stops_cleanly(launch):
     la = launch(wait=False)
     pid = la.server_pid(timeout=120)
     wait_for(lambda: len(stub_pids(pid)) >= 2, 120, "the stubs to start")
-    prefix, stubs = prefix_of(pid), sorted(stub_pids(pid))
+    prefix, stubs = shm_prefix(pid), sorted(stub_pids(pid))
     assert "ready:" not in la.stdout.read_text(), "booted before the signal: nothing to test"
     la.proc.send_signal(signal.SIGTERM)
     assert la.proc.wait(60) == 0
