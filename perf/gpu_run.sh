@@ -43,6 +43,10 @@
 #                        tokens, 32 a request, 16 in flight); needs pyarrow + tqdm on the host and tritonclient's
 #                        grpc; $EGEMMA_CORPUS_ARGS go to it (e.g. "--docs 200000", or "--floor": the clients' own
 #                        ceilings against do-nothing models)
+#   boot                 perf/boot.py: `python -m egemma.ops.launcher` on the full-size checkpoint started cold (empty
+#                        --cache-dir) then warm, each instance's boot phases, process start to ready, and the stop
+#                        after each (SIGTERM to exit); the launcher runs the gateway, so carry .gpu/gateway-deps.tar.xz
+#                        as for `gateway`; $EGEMMA_BOOT_ARGS go to it (launcher arguments after --)
 # Full logs and JSON go to $OUT. Needs .gpu/activate.sh and the archives named in perf/RESULTS.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -145,6 +149,10 @@ for step in "$@"; do
       python3 perf/bench_corpus.py "$FULL" --out /tmp/corpus ${EGEMMA_CORPUS_ARGS:-} 2>&1 | tee "$OUT/bench_corpus.log" \
         | grep -v "^\[transformers\]" | tail -n 12
       cp /tmp/corpus/corpus.json /tmp/corpus/cli.log "$OUT/" 2>/dev/null ;;
+    boot)
+      # shellcheck disable=SC2086  # the extra arguments are meant to split on spaces
+      python3 perf/boot.py "$FULL" --out "$OUT/boot.json" ${EGEMMA_BOOT_ARGS:-} 2>&1 | tee "$OUT/boot.log" \
+        | grep -v "^\[transformers\]" | tail -n 30 ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
   esac
 done

@@ -4,7 +4,10 @@ config.json, model.safetensors, tokenizer files, 1_Pooling/, 2_Dense/, 3_Dense/,
 
   make_checkpoint.py DEST                 small model (6 layers, hidden 48, window +-16), trained tokenizer
   make_checkpoint.py DEST --omit-eos      the same, with a tokenizer that adds BOS but not EOS
-  make_checkpoint.py DEST --full-size     real shapes (24 layers, hidden 768, vocab 262144) for benchmarks
+  make_checkpoint.py DEST --full-size     the real checkpoint's layout: its shapes (24 layers, hidden 768, vocab
+                                          262144), tensor names and dtypes (fp32, ~1.2 GB), the 2_Dense / 3_Dense
+                                          folders and config_sentence_transformers.json with its prompts (checked
+                                          against google/embeddinggemma-300m), for benchmarks and boot timing
   make_checkpoint.py DEST --bare          no sentence-transformers files (a bare Gemma3 checkpoint)
 
 The tokenizer is a BPE trained here with `tokenizers` on generated text, with Gemma's special ids
@@ -123,7 +126,7 @@ def main(argv=None):
         return lin(*dims) if len(dims) == 2 else nw(*dims)
 
     w = {name: init(name, dims) for name, dims in weights.expected(ModelConfig.load(a.dest)).items()}
-    save_file({k: v.contiguous() for k, v in w.items()}, str(a.dest / "model.safetensors"))
+    save_file({k: v.contiguous() for k, v in w.items()}, str(a.dest / "model.safetensors"), metadata={"format": "pt"})
 
     if a.tokenizer_from:
         for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):

@@ -5,7 +5,6 @@ import os
 import queue
 import random
 import re
-import signal
 import subprocess
 import time
 from pathlib import Path
@@ -15,7 +14,8 @@ import torch
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from egemma.ops.procfs import children
+from egemma.ops import shm
+from egemma.ops.procfs import argv, children, kill_group
 
 ROOT = Path(__file__).resolve().parent.parent
 TOL = 1e-5  # fp32 on CPU: every served embedding equals sentence-transformers' to this, element by element
@@ -177,10 +177,16 @@ def max_text_bytes(server) -> int:
     return int(re.search(r'key: "max_text_bytes" value: \{ string_value: "(\d+)"', cfg).group(1))
 
 
+def shm_prefix(server_pid: int) -> str | None:
+    """The shared-memory prefix a running tritonserver was started with (egemma.ops.shm)."""
+    return next((a.split("shm-region-prefix-name=", 1)[1] for a in argv(server_pid) if "shm-region-prefix-name=" in a),
+                None)
+
+
 class Launcher:
     """A launcher process (argv: `python -m egemma.ops.launcher ...`) with its stdout and stderr in files under d;
     remembers every tritonserver it was seen to run, so that close() ends those too (they run in their own
-    sessions: the launcher's death does not end them)."""
+    sessions: the launcher's death does not end them) and removes their shared memory."""
 
     def __init__(self, argv, d: Path, cwd: Path = ROOT):
         d.mkdir(parents=True)
@@ -205,11 +211,10 @@ class Launcher:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
-        for p in self.servers:
-            try:
-                os.killpg(p, signal.SIGKILL)
-            except ProcessLookupError:  # the group is gone already
-                pass
+        for p in self.servers:  # and their shared memory, as the launcher's next start would
+            prefix = shm_prefix(p)
+            if not kill_group(p, 30) and prefix:
+                shm.remove(prefix)
         for f in self._files:
             f.close()
 

@@ -1,5 +1,5 @@
 """The launcher started with exactly the container's command line (deploy/Dockerfile's ENTRYPOINT, less tini, and
-the Deployment's args; only the model path, run directory and ports swapped) answers every path and port the
+the Deployment's args; only the model path, run and cache directories and ports swapped) answers every path and port the
 manifests name, serves every metric the autoscaler's rule reads, fails liveness when its watchdog stops, and
 exits within the grace period on SIGTERM."""
 import os
@@ -27,8 +27,8 @@ def test_the_container_command_line_serves_every_probe_path_port_and_metric(chec
     for i, a in enumerate(run[:-1]):
         if a == "--model":
             run[i + 1] = str(checkpoints["eos"])
-        elif a == "--run-dir":
-            run[i + 1] = str(tmp_path / "run")
+        elif a in ("--run-dir", "--cache-dir"):
+            run[i + 1] = str(tmp_path / a[2:].split("-")[0])  # run, cache
         elif a.endswith("-port"):
             ports[int(run[i + 1])] = free_port()
             run[i + 1] = str(ports[int(run[i + 1])])

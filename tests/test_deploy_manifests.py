@@ -87,7 +87,7 @@ def test_objects_fit_together(k8s):
     assert _api_key_secret(argv, c["volumeMounts"], volumes) == "embeddinggemma-api-key"
     # Every path the launcher writes lies on a volume (the root filesystem is read-only).
     mounts = [m["mountPath"] for m in c["volumeMounts"]]
-    for path in (option(argv, "--run-dir"), "/tmp", "/var/cache/huggingface"):
+    for path in (option(argv, "--run-dir"), option(argv, "--cache-dir"), "/tmp", "/var/cache/huggingface"):
         assert any(path == m or path.startswith(m + "/") for m in mounts), path
     # The disk emptyDirs, full, stay under the ephemeral-storage limit (else the kubelet evicts the pod first);
     # a Memory one counts toward the memory limit instead.

@@ -21,8 +21,9 @@ def unwritable(d: Path) -> str | None:
     """Why files cannot be written under d (made if missing), or None: read-only, full, not a directory."""
     try:
         d.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=d, prefix=".probe-"):
-            pass
+        with tempfile.NamedTemporaryFile(dir=d, prefix=".probe-") as f:
+            f.write(b"\0" * 65536)  # an empty file fits a full disk: a block or sixteen do not
+            f.flush()
     except OSError as e:
         return f"{d}: {e.strerror or e}"
     return None

@@ -3,13 +3,17 @@ guarantees on top: every sequence is `BOS ... EOS` (added here, also where the c
 EOS), and truncation to max_seq_length keeps EOS last."""
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import os
+from importlib import metadata
 from pathlib import Path
 
 import numpy as np
 from tokenizers import Tokenizer
 
+from egemma.engine.cache import ENV, unwritable
 from egemma.engine.chunker import Chunker
 from egemma.engine.config import ModelConfig
 from egemma.engine.cpus import usable_cores
@@ -26,6 +30,35 @@ def resolved_tokenizer_json(path) -> str:
     the pipeline and the BOS/EOS post-processor from tokenizer_config.json): what sentence-transformers uses."""
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(str(path)).backend_tokenizer.to_str()
+
+
+def cached_tokenizer_json(path) -> str:
+    """resolved_tokenizer_json, from $EGEMMA_CACHE_DIR/tokenizer when it holds it (importing transformers alone
+    takes seconds of every start), keyed by the checkpoint's tokenizer files (names, sizes, mtimes) and the
+    transformers version; without $EGEMMA_CACHE_DIR, or with a cache that cannot be written, resolved each time."""
+    if not os.environ.get(ENV):
+        return resolved_tokenizer_json(path)
+    files = sorted(f for f in Path(path).iterdir() if f.is_file() and (
+        f.name.startswith(("tokenizer", "special_")) or f.name in ("added_tokens.json", "config.json")))
+    key = hashlib.sha256(repr([(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files]
+                              + [metadata.version("transformers")]).encode()).hexdigest()[:24]
+    d = Path(os.environ[ENV]).expanduser() / "tokenizer"
+    hit = d / f"{key}.json"
+    try:
+        text = hit.read_text(encoding="utf-8")
+        json.loads(text)
+        return text
+    except (OSError, ValueError):  # a miss, or a corrupt entry: resolved again
+        pass
+    text = resolved_tokenizer_json(path)
+    if not unwritable(d):
+        tmp = d / f".{key}.{os.getpid()}"
+        try:
+            tmp.write_text(text, encoding="utf-8")
+            os.replace(tmp, hit)
+        except OSError:
+            tmp.unlink(missing_ok=True)
+    return text
 
 
 class PromptError(ValueError):

@@ -1,6 +1,7 @@
 """Serving an aiohttp app the way the gateway runs: on sockets bound once and shared by forked worker processes,
-at most max_connections open per worker (a 503 past it), header and idle limits, SIGTERM draining each worker,
-a worker's death stopping all (the launcher restarts the group), and uvloop where installed."""
+at most max_connections open per worker (a 503 past it), header and idle limits, SIGUSR1 announcing a stop,
+SIGTERM draining each worker, a worker's death stopping all (the launcher restarts the group), and uvloop where
+installed."""
 from __future__ import annotations
 
 import asyncio
@@ -30,14 +31,17 @@ class _Refuse(asyncio.Protocol):
 
 
 async def serve(app: web.Application, socks: list[socket.socket], max_connections=1024, idle_timeout=60.0,
-                workers=(), lanes=None):
+                workers=(), lanes=None, drain=None):
     """Serve app on listening sockets until SIGTERM / SIGINT, then drain (in-flight requests finish).
     workers: pids of sibling processes this one started; when one dies, all stop (the launcher restarts them).
-    lanes: an egemma.gateway.fastlane.Lanes that takes every connection first (handing it to app when it must)."""
+    lanes: an egemma.gateway.fastlane.Lanes that takes every connection first (handing it to app when it must).
+    drain: called on SIGUSR1 (the server behind is about to stop)."""
     loop = asyncio.get_running_loop()
     stop, failed = asyncio.Event(), []
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    if drain is not None:
+        loop.add_signal_handler(signal.SIGUSR1, drain)
     def exited(pid: int, fd: int):
         loop.remove_reader(fd)
         os.close(fd)

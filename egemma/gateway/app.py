@@ -25,7 +25,10 @@ over --max-connections per worker a new one gets a 503. Everything else, in both
 tritonclient.http (JSON and binary tensors), curl and perf_analyzer work as against Triton itself.
 /v2/health/live is the watchdog's verdict (egemma.gateway.health) when --health-file is given (Triton's own stays
 200 after a model process died); /v2/health/ready needs that verdict and Triton's ready. --workers K runs K
-processes on the same sockets (one process group; SIGTERM drains each).
+processes on the same sockets (one process group; SIGTERM drains each). SIGUSR1 (the launcher's first step of a
+stop) starts the drain: readiness and new KServe requests answer 503 from then on (the requests already at Triton
+are answered), and the connections to Triton's HTTP close as soon as each is idle (Triton 2.51, stopping, waits
+for every open HTTP connection until its exit timeout).
 
 With --api-key-file, inference routes answer only to its key (egemma.gateway.admission.needs_key), which the
 gateway passes on where it calls Triton itself (its HTTP proxy, its gRPC client; Triton checks it too).
@@ -42,6 +45,7 @@ import functools
 import logging
 import os
 import resource
+import signal
 import sys
 from pathlib import Path
 
@@ -50,7 +54,7 @@ from aiohttp import web
 from egemma.gateway import calls, openai_api, tei_api
 from egemma.gateway.admission import admit, aio_header, read_body
 from egemma.gateway.aioserver import event_loop_runner, exit_with_parent, listen, serve
-from egemma.gateway.common import DEFAULT_MAX_BODY, GW, Gateway, error_response, verdict
+from egemma.gateway.common import DEFAULT_MAX_BODY, GW, Gateway, error_response, readiness, verdict
 from egemma.gateway.errors import GatewayError, Kind, from_exception, protocol
 from egemma.gateway.fastlane import Lanes
 from egemma.gateway.upstream import Upstream
@@ -92,7 +96,7 @@ async def live(request: web.Request) -> web.Response:
 
 
 async def ready(request: web.Request) -> web.Response:
-    ok, why = verdict(request.app[GW])
+    ok, why = readiness(request.app[GW])
     return await proxy(request) if ok else web.json_response({"ready": False, "why": why}, status=503)
 
 
@@ -151,6 +155,8 @@ async def _clients(app: web.Application):
     gw = app[GW]
     gw.grpc = grpcaio.InferenceServerClient(gw.triton_grpc)
     gw.upstream = Upstream(gw.triton_http)
+    if gw.draining:
+        gw.upstream.drain()
     yield
     gw.upstream.close()
     await gw.grpc.close()
@@ -202,6 +208,7 @@ def main(argv=None):
     ap.add_argument("--exit-with-parent", type=int, metavar="PID",
                     help="exit when process PID (the launcher, our parent) dies, even by SIGKILL")
     a = ap.parse_args(argv)
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # until serve() handles it: a drain must never kill a worker
     if a.exit_with_parent:
         exit_with_parent(a.exit_with_parent)
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)  # connections are file descriptors
@@ -214,7 +221,8 @@ def main(argv=None):
     run, loop = event_loop_runner()
 
     def worker(siblings: tuple[int, ...] = ()):
-        run(serve(make_app(gw), socks, max_connections, a.idle_timeout, siblings, Lanes(gw, a.idle_timeout)))
+        run(serve(make_app(gw), socks, max_connections, a.idle_timeout, siblings, Lanes(gw, a.idle_timeout),
+                  drain=gw.drain))
     workers = []
     for _ in range(a.workers - 1):
         if (pid := os.fork()) == 0:

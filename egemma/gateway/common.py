@@ -30,6 +30,12 @@ class Gateway:
     body_timeout: float = 60.0  # s for a request's whole body to arrive
     api_key: bytes | None = None  # what inference routes require (egemma.gateway.admission), and Triton too
     upstream: object = field(default=None, init=False)  # egemma.gateway.upstream.Upstream to triton_http
+    draining: bool = field(default=False, init=False)  # SIGUSR1: the server is stopping
+
+    def drain(self):
+        self.draining = True
+        if self.upstream is not None:
+            self.upstream.drain()
 
     @property
     def bearer(self) -> bytes:
@@ -72,6 +78,11 @@ async def read_json(request: web.Request) -> dict:
 
 def verdict(gw: Gateway) -> tuple[bool, str]:
     return health.read(gw.health_file, HEALTH_MAX_AGE) if gw.health_file else (True, "no watchdog")
+
+
+def readiness(gw: Gateway) -> tuple[bool, str]:
+    """The watchdog's verdict, and not while the server stops (liveness stays the verdict alone)."""
+    return (False, "draining: the server is stopping") if gw.draining else verdict(gw)
 
 
 _OPTION_TYPES = {"prompt_name": (str, "a string"), "prompt": (str, "a string"), "truncate": (bool, "true or false"),

@@ -23,7 +23,7 @@ import numpy as np
 from aiohttp import web
 
 from egemma.gateway import calls
-from egemma.gateway.common import GW, json_response, options, read_json, verdict
+from egemma.gateway.common import GW, json_response, options, read_json, readiness
 from egemma.gateway.errors import GatewayError, Kind
 from egemma.gateway.upstream import Upstream
 
@@ -166,8 +166,8 @@ async def health_route(request: web.Request) -> web.Response:
     """200 (empty) while serving, else 503: the watchdog's verdict when the launcher runs one, else Triton's
     readiness of the ensemble. Also the OpenAI-side /health (vLLM's: 200, empty)."""
     gw = request.app[GW]
-    if gw.health_file:
-        ok, why = verdict(gw)
+    if gw.health_file or gw.draining:
+        ok, why = readiness(gw)
     else:
         try:
             ok = await gw.grpc.is_model_ready(calls.ENSEMBLE)

@@ -121,6 +121,7 @@ class Upstream:
         self.host, port = address.rsplit(":", 1)
         self.port, self.connect_timeout = int(port), connect_timeout
         self.idle: list[_Conn] = []
+        self.draining = False  # drain(): no connection is pooled any more
 
     def send(self, method: str, target: str, headers: dict[str, str], body: bytes | None, done):
         """done((status, headers, body)) or done(exception: UpstreamError, OSError or TimeoutError), once. An answer
@@ -147,6 +148,8 @@ class Upstream:
         self._send(data, done)
 
     def _send(self, data: bytes, done):
+        if self.draining:  # Triton takes no new request once stopping (it resets new connections): say so first
+            return done(ConnectionRefusedError("the server is stopping; retry on another replica"))
         while self.idle:
             if not (conn := self.idle.pop()).closed:
                 return conn.start(data, lambda res: self._answered(conn, True, data, res, done))
@@ -166,7 +169,7 @@ class Upstream:
             if reused and not conn.got_data:  # a connection Triton had closed while idle: try another
                 return self._send(data, done)
             return done(res)
-        if res[2].get("connection", "").lower() != "close" and not conn.closed and not conn.buf:
+        if res[2].get("connection", "").lower() != "close" and not conn.closed and not conn.buf and not self.draining:
             self.idle.append(conn)
         else:
             conn.transport.close()
@@ -176,3 +179,9 @@ class Upstream:
         for c in self.idle:
             c.transport.close()
         self.idle.clear()
+
+    def drain(self):
+        """Triton is stopping: close the idle connections now and every other one after its answer (Triton 2.51
+        waits for open HTTP connections, idle ones too, until its exit timeout); refuse new requests (a 503)."""
+        self.draining = True
+        self.close()

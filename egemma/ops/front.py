@@ -1,5 +1,6 @@
 """The gateway process (egemma.gateway.app) as the launcher runs it: in its own process group (its workers
-with it), restarted when it dies, stopped after Triton has drained."""
+with it), restarted when it dies, told first when the server stops (drain: readiness 503, its connections to
+Triton's HTTP closed), stopped after Triton has drained."""
 from __future__ import annotations
 
 import os
@@ -22,11 +23,12 @@ class Front:
         self.proc: subprocess.Popen | None = None
         self._next_try = 0.0
 
-    def start(self, timeout: float = 60.0) -> "Front":
+    def start(self, timeout: float = 60.0, cancel=None) -> "Front":
+        """cancel: an event that, set meanwhile, ends the gateway (egemma.ops.procfs.Cancelled)."""
         self.proc = subprocess.Popen([sys.executable, "-m", "egemma.gateway.app", *self.args,
                                       f"--exit-with-parent={os.getpid()}"], start_new_session=True)
         wait_up(self.proc, self.answers, timeout, f"the gateway on {self.url}",
-                f"python -m egemma.gateway.app {' '.join(self.args)}", self.kill)
+                f"python -m egemma.gateway.app {' '.join(self.args)}", self.kill, cancel=cancel)
         return self
 
     def answers(self) -> bool:
@@ -51,13 +53,19 @@ class Front:
         except (RuntimeError, TimeoutError) as e:
             self.log(f"restart failed: {e}")
 
-    def kill(self, sig=signal.SIGKILL, timeout: float = 10.0):
-        """Signal the whole process group and wait until none of it is left (SIGKILL after timeout: once the
-        parent is gone, its workers get no more time)."""
-        if left := end_group(self.proc, sig, timeout, timeout):
+    def kill(self, sig=signal.SIGKILL, timeout: float = 10.0, hurry=None):
+        """Signal the whole process group and wait until none of it is left (SIGKILL after timeout, or once the
+        event hurry is set: once the parent is gone, its workers get no more time)."""
+        if left := end_group(self.proc, sig, timeout, timeout, hurry):
             self.log(f"processes {left} of the gateway's group outlived SIGKILL for {timeout:g}s")
 
-    def stop(self, timeout: float = 15.0):
+    def drain(self):
+        """SIGUSR1 to every worker: readiness answers 503, and the connections to Triton's HTTP close as soon as
+        each is idle, so that Triton's stop does not wait for them."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGUSR1)
+
+    def stop(self, timeout: float = 15.0, hurry=None):
         """SIGTERM: each worker stops accepting, finishes its requests in flight, exits."""
         if self.proc is not None:
-            self.kill(signal.SIGTERM, timeout)
+            self.kill(signal.SIGTERM, timeout, hurry)

@@ -3,8 +3,8 @@
   python -m egemma.ops.launcher [--model DIR] [--host 127.0.0.1] [--http-port 8000] [--grpc-port 8001]
                           [--metrics-port 8002] [--gpus all|0,1,...] [--admin-key KEY] [--exit-timeout-secs 30]
                           [--api-key KEY | --api-key-file PATH]
-                          [--no-watchdog]
-                          [--watchdog-max-busy 120]
+                          [--no-watchdog] [--watchdog-max-busy 120] [--cache-dir ~/.cache/egemma]
+                          [--response-cache-mb 0]
                           [--openai-port 8080] [--max-request-bytes 3145728] [--gateway-workers K]
                           [--served-model-name google/embeddinggemma-300m] [--alias NAME ...]
                           [--param KEY=VALUE ...] [--instances MODEL=N ...]
@@ -15,10 +15,18 @@ Python backend stub follows PATH), readiness is awaited, and the endpoints are p
 
 Safe defaults: loopback only unless --host; no model loading/unloading through the API (model control mode
 none); the model-repository, shared-memory, trace and logging APIs answer only requests with the HTTP header
-`admin-key: KEY` (gRPC: metadata `triton-grpc-protocol-admin-key: KEY`; KEY is printed at start); SIGTERM
-drains in-flight requests for up to --exit-timeout-secs; a watchdog (egemma.ops.watchdog) restarts the server when
-a model stops answering, since Triton does not restart a crashed Python backend stub and keeps reporting
-ready.
+`admin-key: KEY` (gRPC: metadata `triton-grpc-protocol-admin-key: KEY`; KEY is printed at start); a watchdog
+(egemma.ops.watchdog) restarts the server when a model stops answering, since Triton does not restart a crashed
+Python backend stub and keeps reporting ready.
+
+Stop (SIGTERM or SIGINT): readiness answers 503 at once and the gateway closes its connections to Triton's HTTP
+(Front.drain; Triton 2.51 would wait for them until its exit timeout), Triton refuses new requests, finishes those
+in flight (for up to --exit-timeout-secs) and exits, its stubs finalize, then the gateway stops; nothing of the
+server is left (egemma.ops.shm). A second SIGTERM / SIGINT ends it all at once, cleaned up the same way; one
+during boot stops the start. Exit code 0, or 1 after a second signal.
+
+Cache: --cache-dir (egemma.ops.cachedir) holds what a later start reuses: Triton-lang's kernels, the tuning file,
+the fused weights in the dtype served.
 
 API key (--api-key, or --api-key-file for a mounted secret): inference answers only to it, on every port: the
 gateway's OpenAI and TEI routes take `Authorization: Bearer KEY`, its KServe routes that or `api-key: KEY`, and
@@ -36,10 +44,14 @@ import secrets
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
+from egemma.engine.cache import cache_dir
 from egemma.engine.cpus import usable_cores
+from egemma.ops import cachedir
 from egemma.ops.host import parse_gpus, visible_gpus
+from egemma.ops.procfs import Cancelled, connections_to
 from egemma.ops.repository import ROOT, resolve_checkpoint
 from egemma.ops.front import Front
 from egemma.ops.tritonserver import ADMIN_APIS, ADMIN_HEADER, API_HEADER, TritonServer, free_port
@@ -93,7 +105,18 @@ def main(argv=None):
                     help="restart when one model instance is busy in one execute for this long (scaled up for "
                          "batches over 131072 tokens), or canaries time out while the server is busy and no request "
                          "completes for this long: a model is spinning (default 120)")
+    ap.add_argument("--cache-dir", type=Path, default=cache_dir(),
+                    help="what a later start reuses: Triton-lang's kernels, the tuning file, the fused weights "
+                         "(default: $EGEMMA_CACHE_DIR, else ~/.cache/egemma); unwritable: served without caching")
     a = ap.parse_args(argv)
+    # The handler only flags (set before anything starts, so an early signal is not lost): a first SIGTERM /
+    # SIGINT stops (cancelling a boot), a second hurries the stop; the main thread does the waiting.
+    stop, hurry = threading.Event(), threading.Event()
+
+    def on_signal(*_):
+        (hurry if stop.is_set() else stop).set()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
     try:
         gpus = parse_gpus(a.gpus, visible_gpus())
     except ValueError as e:
@@ -110,20 +133,21 @@ def main(argv=None):
     def start():
         return TritonServer(ckpt, a.host, internal, a.grpc_port, a.metrics_port, a.run_dir, params,
                             admin_key=key, exit_timeout_secs=a.exit_timeout_secs, instances=instances, gpus=gpus,
-                            http_host="127.0.0.1", api_key=api_key, response_cache_mb=a.response_cache_mb)
+                            http_host="127.0.0.1", api_key=api_key, response_cache_mb=a.response_cache_mb, cancel=stop)
 
-    # The handler only flags (set before starting, so an early SIGTERM is not lost); the main loop stops the
-    # server, which waits for in-flight requests, something a signal handler should not do.
-    done = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: done.set())
     a.run_dir.mkdir(parents=True, exist_ok=True)
+    cachedir.prepare(a.cache_dir, a.run_dir, log=lambda m: print(m, file=sys.stderr, flush=True))
     health_file = a.run_dir / "health.json"  # the watchdog's verdict (egemma.gateway.health) for the gateway
-    print(f"starting tritonserver for {ckpt} ...", flush=True)
-    if a.watchdog:
-        from egemma.ops.watchdog import Watchdog
-        supervisor = Watchdog(start, max_busy=a.watchdog_max_busy, health_file=health_file).start()
-    else:
-        supervisor = start()
+    print(f"starting tritonserver for {ckpt} (cache {a.cache_dir}) ...", flush=True)
+    try:
+        if a.watchdog:
+            from egemma.ops.watchdog import Watchdog
+            supervisor = Watchdog(start, max_busy=a.watchdog_max_busy, health_file=health_file).start()
+        else:
+            supervisor = start()
+    except Cancelled:
+        print("stopped during boot", flush=True)
+        sys.exit(0)
     h = "127.0.0.1" if a.host in ("0.0.0.0", "::") else a.host
     ports = [a.http_port] + ([a.openai_port] if a.openai_port else [])
     front = Front([*(f"--port={p}" for p in ports), f"--host={a.host}", f"--triton-http=127.0.0.1:{internal}",
@@ -133,10 +157,14 @@ def main(argv=None):
                    *([f"--health-file={health_file}"] if a.watchdog else []),
                    *([f"--api-key-file={api_key_file}"] if api_key_file else [])], f"http://{h}:{a.http_port}")
     try:
-        front.start()
-    except (RuntimeError, TimeoutError):
-        supervisor.stop()
+        front.start(cancel=stop)
+    except (RuntimeError, TimeoutError, Cancelled) as e:
+        supervisor.stop(hurry=hurry)
+        if isinstance(e, Cancelled):
+            print("stopped during boot", flush=True)
+            sys.exit(0)
         raise
+    cachedir.seal(a.cache_dir)
     print(f"""
 ready: model 'embeddinggemma' (checkpoint {ckpt})
   HTTP    http://{h}:{a.http_port}  (gateway: KServe v2, OpenAI, TEI; bodies up to {a.max_request_bytes} bytes)
@@ -147,6 +175,7 @@ ready: model 'embeddinggemma' (checkpoint {ckpt})
   api key {f"required for inference (HTTP 'Authorization: Bearer KEY', KServe also '{API_HEADER}: KEY'; gRPC "
            f"metadata 'triton-grpc-protocol-{API_HEADER}: KEY')" if api_key else 'none: inference is open to anyone'}
   watchdog {'on' if a.watchdog else 'off'}; SIGTERM drains in-flight requests for up to {a.exit_timeout_secs}s
+  cache   {a.cache_dir}
   openai  {f'http://{h}:{a.openai_port}/v1/embeddings' if a.openai_port else f'http://{h}:{a.http_port}/v1/embeddings'}
 
   curl -s http://{h}:{a.http_port}/v2/models/embeddinggemma/infer -d \\
@@ -157,17 +186,30 @@ i = g.InferInput('TEXT', [1, 1], 'BYTES'); i.set_data_from_numpy(np.array([[b'he
 print(c.infer('embeddinggemma', [i]).as_numpy('EMBEDDING'))"
 """, flush=True)
     rc = 0
-    try:
-        while not done.wait(0.5):
-            front.check()
-            if not a.watchdog and supervisor.proc.poll() is not None:  # unsupervised, a dead server ends it all
-                rc = supervisor.proc.returncode
-                break
-    except KeyboardInterrupt:
+    while not stop.wait(0.5):
+        front.check()
+        if not a.watchdog and supervisor.proc.poll() is not None:  # unsupervised, a dead server ends it all
+            rc = supervisor.proc.returncode
+            break
+    t0 = time.monotonic()
+    print("stopping: readiness 503, draining the requests in flight ...", flush=True)
+    front.drain()
+    # Triton polls its open HTTP connections once a second while stopping: give the gateway's idle ones the moment
+    # they take to close (busy ones close after their answer, which Triton waits for anyway)
+    deadline = time.monotonic() + 0.5
+    while connections_to(internal) and time.monotonic() < deadline and not hurry.wait(0.02):
         pass
-    supervisor.stop()
-    front.stop()
-    sys.exit(rc)
+    supervisor.stop(hurry=hurry)
+    front.stop(hurry=hurry)
+    if not hurry.is_set():
+        cachedir.seal(a.cache_dir)
+    print(f"stopped in {time.monotonic() - t0:.1f}s{' (at once: second signal)' if hurry.is_set() else ''}",
+          flush=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # everything is stopped and cleaned up: no interpreter teardown (with torch imported for the tokenizer's
+    # resolution it took seconds, which a stop should not)
+    os._exit(rc or int(hurry.is_set()))
 
 
 def _api_key_file(a) -> Path | None:

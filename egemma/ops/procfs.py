@@ -1,5 +1,6 @@
-"""What /proc says about the server's processes: children and their argv, state, resident memory, CPU time.
-One parser of /proc/PID/stat serves them all. And waiting for a started process to come up (wait_up)."""
+"""What /proc says about the server's processes: children and their argv, state, start time, resident memory, CPU
+time. One parser of /proc/PID/stat serves them all. And waiting for a started process to come up (wait_up), which
+a stop asked for meanwhile cancels."""
 from __future__ import annotations
 
 import os
@@ -10,9 +11,13 @@ import time
 STUB = "triton_python_backend_stub"
 
 
+class Cancelled(Exception):
+    """A stop was asked for while waiting for a process to come up (wait_up's cancel)."""
+
+
 def stat(pid: int) -> list[str] | None:
     """Fields of /proc/PID/stat after "(comm)" (which may hold spaces): state is [0], ppid [1], process group [2],
-    utime [11], stime [12] (fields 3, 4, 5, 14, 15 of proc(5)); None if pid is gone."""
+    utime [11], stime [12], starttime [19] (fields 3, 4, 5, 14, 15, 22 of proc(5)); None if pid is gone."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()
@@ -64,21 +69,58 @@ def kill_group(pgid: int, timeout: float) -> list[int]:
     return []
 
 
-def end_group(proc: subprocess.Popen, sig: int, grace: float, timeout: float) -> list[int]:
-    """Send sig to proc's process group (proc leads it), give proc grace seconds to exit, then SIGKILL the group
-    until none of it is left (kill_group); the pids that outlived that. proc is reaped when none did."""
+def identity(pid: int) -> tuple[int, int] | None:
+    """(pid, its start time in clock ticks since boot): names one process even after its pid is reused; None if
+    pid is gone or a zombie."""
+    s = stat(pid)
+    return None if s is None or s[0] == "Z" else (pid, int(s[19]))
+
+
+def alive(ident) -> bool:
+    """Whether the process identity() named is still running (not merely its pid, reused)."""
+    return bool(ident) and identity(int(ident[0])) == tuple(ident)
+
+
+def wait_exit(proc: subprocess.Popen, timeout: float, hurry=None) -> bool:
+    """Whether proc exited within timeout; returns early, False, once the event hurry is set."""
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None:
+        left = deadline - time.monotonic()
+        if left <= 0 or hurry is not None and hurry.is_set():
+            return False
+        try:
+            proc.wait(min(left, 0.05) if hurry is not None else left)
+        except subprocess.TimeoutExpired:
+            pass
+    return True
+
+
+def end_group(proc: subprocess.Popen, sig: int, grace: float, timeout: float, hurry=None) -> list[int]:
+    """Send sig to proc's process group (proc leads it), give proc grace seconds to exit (less once the event
+    hurry is set), then SIGKILL the group until none of it is left (kill_group); the pids that outlived that. proc
+    is reaped when none did."""
     try:
         os.killpg(proc.pid, sig)
     except ProcessLookupError:
         pass
-    try:
-        proc.wait(grace)
-    except subprocess.TimeoutExpired:
-        pass
+    if sig != signal.SIGKILL:
+        wait_exit(proc, grace, hurry)
     if left := kill_group(proc.pid, timeout):
         return left
     proc.wait()  # gone or a zombie: returns at once
     return []
+
+
+def connections_to(port: int) -> int:
+    """Established TCP connections of this host to a local port, counted from their client end."""
+    n = 0
+    for f in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = open(f).read().splitlines()[1:]
+        except OSError:
+            continue
+        n += sum(1 for r in rows if (c := r.split())[3] == "01" and int(c[2].rsplit(":", 1)[1], 16) == port)
+    return n
 
 
 def stopped(pid: int) -> bool:
@@ -113,14 +155,20 @@ def cpu_seconds(pid: int, with_children: bool = True) -> float | None:
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
-def wait_up(proc, up, timeout: float, name: str, command: str, give_up, poll: float = 0.1):
+def wait_up(proc, up, timeout: float, name: str, command: str, give_up, poll: float = 0.1, cancel=None):
     """Return once up() is true. RuntimeError if proc (a Popen) exits first; past timeout, give_up() and then
-    TimeoutError."""
+    TimeoutError; once the event cancel is set (a SIGTERM during boot), give_up() and then Cancelled."""
     deadline = time.monotonic() + timeout
     while not up():
+        if cancel is not None and cancel.is_set():
+            give_up()
+            raise Cancelled(f"stopped while waiting for {name} to come up")
         if proc.poll() is not None:
             raise RuntimeError(f"{name} exited with {proc.returncode} before it was ready; command: {command}")
         if time.monotonic() > deadline:
             give_up()
             raise TimeoutError(f"{name} was not ready within {timeout:.0f}s")
-        time.sleep(poll)  # startup polling; the condition itself is checked above
+        if cancel is not None:
+            cancel.wait(poll)  # startup polling, woken at once by a stop
+        else:
+            time.sleep(poll)  # startup polling; the condition itself is checked above

@@ -1,6 +1,6 @@
 """The real `tritonserver` process: finding the binary (PATH, $TRITON_SERVER_DIR or the nvidia-pytriton wheel),
-starting it on a rendered repository with the stub's Python environment first on PATH, readiness, and a
-graceful stop."""
+starting it on a rendered repository with the stub's Python environment first on PATH, readiness, a graceful stop,
+and nothing of it left behind (no process of its group, no shared-memory region: egemma.ops.shm)."""
 from __future__ import annotations
 
 import os
@@ -12,13 +12,16 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import threading
+import time
 import urllib.request
 from pathlib import Path
 
 from egemma.engine.cpus import usable_cores
-from egemma.engine.tokenizer import resolved_tokenizer_json
+from egemma.engine.tokenizer import cached_tokenizer_json
 from egemma.ops.host import tokenizer_instances
-from egemma.ops.procfs import wait_up
+from egemma.ops import shm
+from egemma.ops.procfs import end_group, wait_exit, wait_up
 from egemma.ops.repository import REPO, render_repository
 from egemma.stub.instance import HEARTBEAT_DIR
 
@@ -32,6 +35,12 @@ ADMIN_HEADER = "admin-key"
 API_HEADER = "api-key"
 # Instance counts without a GPU (TritonServer): each encoder instance is a CPU forward of its own.
 CPU_INSTANCES = {"embeddinggemma_encoder": 1, "embeddinggemma_tokenizer": 2}
+# Triton's stop logs this once every request has been answered and it starts to unload the models. The unload
+# is the slow part, and no request needs it: Triton 2.51's Python backend finalizes a model's instances one after
+# the other, each after a fixed 1 s wait for the stub's health flag, and Triton polls its models once a second: on
+# CPU an idle server with 3 tokenizer instances took 4.9 s to exit (2.9 s with 1), so 2 s is out of reach that way.
+# stop() ends the server's group there instead (no stub has anything to finalize; kill() removes what they leave).
+DRAINED = b"All models are stopped, unloading models"
 
 
 def gpu_host() -> bool:
@@ -86,7 +95,7 @@ class TritonServer:
                  extra_args=(), ready_timeout=600.0, repository: Path = REPO, admin_key: str | None = None,
                  exit_timeout_secs: int = 30, instances: dict[str, int] | None = None, stub_bin: str | None = None,
                  gpus: list[int] | None = None, http_host: str | None = None, api_key: str | None = None,
-                 response_cache_mb: int = 0):
+                 response_cache_mb: int = 0, cancel=None):
         """instances: {model: count} over the repository's counts (without a GPU, over CPU_INSTANCES first: the
         repository's are for a GPU host, and on CPU each encoder instance is a forward competing for the cores;
         with one, the tokenizer's count from the host's cores, egemma.ops.host.tokenizer_instances).
@@ -96,7 +105,8 @@ class TritonServer:
         this interpreter's). http_host: the address of Triton's own HTTP (default host; the launcher keeps it on
         loopback behind egemma.gateway.app, since one request can crash it). api_key: what inference requires
         (API_HEADER), on both of Triton's ports; None: open. response_cache_mb: Triton's response cache of that many
-        MiB for the encoder (egemma.ops.repository.render_repository)."""
+        MiB for the encoder (egemma.ops.repository.render_repository). cancel: an event that, set while the server
+        boots, ends it (egemma.ops.procfs.Cancelled): a SIGTERM during boot."""
         self.host, self.http_port, self.grpc_port, self.metrics_port = host, http_port, grpc_port, metrics_port
         self.http_host = http_host or host
         # No key given: a random one, so the admin APIs are never open by accident.
@@ -105,8 +115,9 @@ class TritonServer:
         self.exit_timeout_secs = exit_timeout_secs
         self.run_dir = Path(run_dir or tempfile.mkdtemp(prefix="egemma-run-"))
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        shm.reap(self.run_dir)  # a server left by an owner killed with SIGKILL, and its shared memory
         tokenizer_json = self.run_dir / "tokenizer.json"
-        tokenizer_json.write_text(resolved_tokenizer_json(checkpoint))
+        tokenizer_json.write_text(cached_tokenizer_json(checkpoint))
         params = {"tokenizer_json": str(tokenizer_json), **(params or {})}
         if repository == REPO:
             defaults = CPU_INSTANCES if not gpu_host() else {
@@ -120,15 +131,19 @@ class TritonServer:
         shutil.rmtree(self.heartbeat_dir, ignore_errors=True)
         self.heartbeat_dir.mkdir()
         binary, backends = find_tritonserver()
+        self.shm_prefix = shm.new_prefix()
         self.cmd = [str(binary), f"--model-repository={self.repo}", f"--backend-directory={backends}",
                     "--model-control-mode=none", "--exit-on-error=true", "--strict-readiness=true",
+                    # the configs are complete: without this the Python backend first runs a stub per model just
+                    # to ask model.py for a config, importing torch for the encoder, before any instance starts
+                    "--disable-auto-complete-config",
                     f"--http-address={self.http_host}", f"--http-port={http_port}", f"--grpc-address={host}",
                     f"--grpc-port={grpc_port}", f"--metrics-address={host}", f"--metrics-port={metrics_port}",
                     f"--http-restricted-api={ADMIN_APIS}:{ADMIN_HEADER}={self.admin_key}",
                     f"--grpc-restricted-protocol={ADMIN_APIS}:{ADMIN_HEADER}={self.admin_key}",
                     *([f"--http-restricted-api=inference:{API_HEADER}={api_key}",
                        f"--grpc-restricted-protocol=inference:{API_HEADER}={api_key}"] if api_key else []),
-                    f"--exit-timeout-secs={exit_timeout_secs}",
+                    f"--exit-timeout-secs={exit_timeout_secs}", shm.prefix_arg(self.shm_prefix),
                     *(self._cache_args(response_cache_mb, Path(backends).parent) if response_cache_mb > 0 else []),
                     *extra_args]
         env = {**os.environ, HEARTBEAT_DIR: str(self.heartbeat_dir)}
@@ -141,9 +156,29 @@ class TritonServer:
         if libdir and list(Path(libdir).glob("libpython3*.so*")):
             env["LD_LIBRARY_PATH"] = f"{libdir}{os.pathsep}{env.get('LD_LIBRARY_PATH', '')}".rstrip(os.pathsep)
         self.log_file = log_file
-        self.proc = subprocess.Popen(self.cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT,
+        self.drained = threading.Event()  # Triton logged DRAINED: every request is answered
+        self.proc = subprocess.Popen(self.cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      start_new_session=True)
-        self.wait_ready(ready_timeout)
+        threading.Thread(target=self._pump, name="tritonserver-log", daemon=True).start()
+        shm.record(self.run_dir, self.proc.pid, self.shm_prefix)
+        try:
+            wait_up(self.proc, self.ready, ready_timeout, "tritonserver", " ".join(self.cmd), lambda: None, poll=0.2,
+                    cancel=cancel)
+        except BaseException:  # not ready, exited, or cancelled: nothing of it may stay
+            self.kill()
+            raise
+
+    def _pump(self):
+        """Triton's output (its stubs' too) on to log_file (default: this process's stdout), watched for DRAINED."""
+        sink = self.log_file or sys.stdout
+        for line in iter(self.proc.stdout.readline, b""):
+            if DRAINED in line:
+                self.drained.set()
+            try:
+                sink.write(line.decode(errors="replace") if hasattr(sink, "encoding") else line)
+                sink.flush()
+            except (OSError, ValueError):  # the sink is closed: keep reading, or Triton would block on its pipe
+                pass
 
     @staticmethod
     def _cache_args(mb: int, root: Path) -> list[str]:
@@ -167,20 +202,29 @@ class TritonServer:
         except OSError:
             return False
 
-    def wait_ready(self, timeout: float):
-        wait_up(self.proc, self.ready, timeout, "tritonserver", " ".join(self.cmd), self.stop, poll=0.2)
-
-    def stop(self, timeout: float | None = None):
-        """SIGTERM (Triton stops taking requests and finishes those in flight for up to exit_timeout_secs), then
-        SIGKILL for the whole process group if it is still running after timeout (default: that plus 30 s)."""
+    def stop(self, timeout: float | None = None, hurry=None):
+        """SIGTERM (Triton stops taking requests and answers those in flight, for up to exit_timeout_secs), then
+        kill() once it has answered them all (DRAINED), or after timeout (default: that plus 30 s), or at once when
+        the event hurry is set (a second SIGTERM): SIGKILL for what is left of the group, the shared memory
+        removed."""
         timeout = self.exit_timeout_secs + 30 if timeout is None else timeout
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+            deadline = time.monotonic() + timeout
+            while not (wait_exit(self.proc, 0.05) or self.drained.is_set() or time.monotonic() > deadline
+                       or hurry is not None and hurry.is_set()):
+                pass
+        self.kill()
+
+    def kill(self, timeout: float = 30.0):
+        """SIGKILL the server's process group, also when the server itself already exited (its stubs may outlive
+        it, holding memory and a CUDA context), wait until none of it is left, then remove its shared-memory
+        regions (egemma.ops.shm)."""
+        if left := end_group(self.proc, signal.SIGKILL, timeout, timeout):
+            print(f"egemma: processes {left} of tritonserver {self.proc.pid}'s group outlived SIGKILL for "
+                  f"{timeout:g}s; its shared memory stays", file=sys.stderr, flush=True)
+            return
+        shm.remove(self.shm_prefix)
 
     def __enter__(self):
         return self

@@ -20,14 +20,14 @@ is exercised). It restarts the server:
 After every check the verdict (serving or why not) goes to `health_file` (egemma.gateway.health), which the
 gateway's liveness route answers from: a watchdog that stops checking leaves a verdict that ages, and a restart
 writes "restarting" first, so liveness fails only when restarts keep failing or the watchdog itself is stuck.
-Restarting kills the server's process group (a graceful stop would wait out --exit-timeout-secs on the dead model)
-and starts it again on the same ports; requests in flight then fail, later ones succeed."""
+Restarting kills the server's process group (a graceful stop would wait out --exit-timeout-secs on the dead model),
+removes its shared memory (TritonServer.kill) and starts it again on the same ports; requests in flight then fail,
+later ones succeed."""
 from __future__ import annotations
 
 import json
 import math
 import os
-import signal
 import sys
 import threading
 import time
@@ -35,7 +35,7 @@ import urllib.error
 import urllib.request
 from typing import Callable
 
-from egemma.ops.procfs import cpu_seconds, end_group, stopped, stub_pids
+from egemma.ops.procfs import cpu_seconds, stopped, stub_pids
 from egemma.gateway import health
 from egemma.stub.instance import read_heartbeats
 
@@ -202,21 +202,18 @@ class Watchdog:
                 self._verdict(f"restart failed: {type(e).__name__}: {e}")
             self.events.append((noticed, why, took))
 
-    def _kill(self, timeout: float = 30.0):
-        """SIGKILL the old server's whole process group, also when the server itself already exited (its stubs
-        may outlive it, holding memory and a CUDA context), and wait until no process of the group is left."""
-        s = self.server
-        if s is None:
-            return
-        if left := end_group(s.proc, signal.SIGKILL, timeout, timeout):  # the server and its stubs: one group
-            self.log(f"processes {left} of the old server's group outlived SIGKILL for {timeout:g}s")
+    def _kill(self):
+        """The old server's whole process group, its stubs with it, and its shared memory (TritonServer.kill)."""
+        if self.server is not None:
+            self.server.kill()
 
-    def stop(self, timeout: float | None = None):
-        """Stop watching, then stop the server gracefully (SIGTERM drains in-flight requests; TritonServer.stop)."""
+    def stop(self, timeout: float | None = None, hurry=None):
+        """Stop watching, then stop the server gracefully (SIGTERM drains in-flight requests; TritonServer.stop;
+        at once when the event hurry is set)."""
         self._stop.set()
         with self._lock:
             if self.server is not None:
-                self.server.stop(timeout)
+                self.server.stop(timeout, hurry)
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(self.timeout + 5)
 

@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from typing import Any, Callable
 
+from egemma.engine import boot
 from egemma.engine.config import CheckpointError
 from egemma.engine.tokenizer import PromptError
 from egemma.stub.options import OptionError
@@ -19,6 +21,15 @@ CLIENT_ERRORS = (OptionError, PromptError)  # the request is at fault: INVALID_A
 def setup_logging():
     """egemma's INFO lines (each backend choice made at load) into the server's log, from the stub's stderr."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+
+
+def boot_phases(engine):
+    """The boot phases inside Engine() after its weights (egemma.engine.boot): the kernels' JIT and timed choices,
+    then the CUDA graphs' capture, the last step of Engine() (its GraphRunner's capture_s)."""
+    capture = engine.graphs.capture_s if engine.graphs is not None else 0.0
+    end = time.time()
+    boot.phase("kernels", end=end - capture)
+    boot.phase("capture", end=end)
 
 
 def triton_params(model_config: str | dict) -> tuple[str, dict[str, str]]:

@@ -10,21 +10,23 @@ import time
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from egemma.engine import Engine, EngineConfig
+from egemma.engine import Engine, EngineConfig, boot
 from egemma.stub.instance import Heartbeat, instance_device
 from egemma.stub.metrics import Counters
 from egemma.stub.options import (OptionError, RequestOptions, allowed_dimensions, check_dimensions, from_tensor,
                                  shape_output)
-from egemma.stub.adapter import Adapter, setup_logging, triton_params
+from egemma.stub.adapter import Adapter, boot_phases, setup_logging, triton_params
 
 
 class TritonPythonModel:
     def initialize(self, args):
         setup_logging()
+        boot.begin(args["model_instance_name"])
         checkpoint, params = triton_params(args["model_config"])
         dims_spec = params.pop("matryoshka_dims", "")
         params["device"] = instance_device(args, params.get("device", "auto"))
         self.engine = Engine(EngineConfig.from_params(checkpoint, params))
+        boot_phases(self.engine)
         logging.getLogger("egemma").info("egemma: encoder instance %s on %s", args["model_instance_name"],
                                          self.engine.device)
         self.beat = Heartbeat(args["model_instance_name"])
@@ -40,6 +42,7 @@ class TritonPythonModel:
             "encoder_seconds": "Time spent in the encoder's execute, seconds",
             "embed_seconds": "Time spent in the engine's embed (the GPU's included), seconds"})
         self.seen = dict(self.engine.stats)
+        boot.phase("ready")
 
     def _parse(self, req) -> tuple[RequestOptions, list[np.ndarray]]:
         # per request, in Python ints and one pass over the inputs: numpy reductions and pb_utils's

@@ -8,6 +8,7 @@ import time
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from egemma.engine import boot
 from egemma.engine.config import ModelConfig
 from egemma.engine.tokenizer import TextTokenizer
 from egemma.stub.instance import Heartbeat
@@ -19,17 +20,20 @@ from egemma.stub.adapter import Adapter, setup_logging, triton_params
 class TritonPythonModel:
     def initialize(self, args):
         setup_logging()
+        boot.begin(args["model_instance_name"])
         checkpoint, params = triton_params(args["model_config"])
         self.cfg = ModelConfig.load(checkpoint)
         self.tok = TextTokenizer(self.cfg, params.get("tokenizer_json"), params.get("tokenizer_backend", "auto"))
+        boot.phase("tokenizer")
         self.max_text_bytes = int(params.get("max_text_bytes", 1_000_000))
         # checked here too, not only in the encoder: a request the ensemble refuses never reaches the encoder, whose
-        # response cache would keep an error as an empty answer (Triton 2.51; tests/test_cache.py)
+        # response cache would keep an error as an empty answer (Triton 2.51; tests/test_response_cache.py)
         self.dims = allowed_dimensions(params.get("matryoshka_dims", ""), self.cfg.out_dim)
         self.a = Adapter(pb_utils)
         self.beat = Heartbeat(args["model_instance_name"])
         self.counters = Counters(pb_utils, {"tokenizer_seconds": "Time spent tokenising, seconds",
                                             "texts": "Texts tokenised"})
+        boot.phase("ready")
 
     def _texts(self, req) -> tuple[list[str], RequestOptions]:
         opts = RequestOptions.parse(req.parameters())
