@@ -20,7 +20,7 @@ def engine(checkpoint, cache, caplog, **kw):
     os.environ["EGEMMA_CACHE_DIR"] = str(cache)
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="egemma"):
-        e = Engine(EngineConfig(str(checkpoint), **kw))
+        e = Engine(EngineConfig(str(checkpoint), **{"deterministic": True, **kw}))
     return e, caplog.text
 
 
@@ -80,7 +80,7 @@ def test_unwritable_cache_dir_tunes_in_memory_with_a_warning(checkpoints, tmp_pa
 def test_engines_starting_together_tune_once(checkpoints, tmp_path):
     """Three processes at once: the lock lets one tune, the others wait and read its file."""
     code = ("import logging, sys; logging.basicConfig(level=logging.INFO, stream=sys.stdout, format='%(message)s');"
-            "from egemma.engine import Engine, EngineConfig; Engine(EngineConfig(sys.argv[1]))")
+            "from egemma.engine import Engine, EngineConfig; Engine(EngineConfig(sys.argv[1], deterministic=True))")
     env = {**os.environ, "EGEMMA_CACHE_DIR": str(tmp_path)}
     procs = [subprocess.Popen([sys.executable, "-c", code, str(checkpoints["eos"])], stdout=subprocess.PIPE,
                               text=True, env=env, cwd=ROOT) for _ in range(3)]
@@ -95,7 +95,7 @@ def test_server_instances_and_restart_share_one_tuning(start_server, tmp_path):
     os.environ["EGEMMA_CACHE_DIR"] = str(cache)
     logs = []
     for _ in range(2):
-        s = start_server(instances={"embeddinggemma_encoder": 2})
+        s = start_server(instances={"embeddinggemma_encoder": 2}, params={"deterministic": "true"})
         s.stop()
         logs.append((s.run_dir / "tritonserver.log").read_text(errors="replace"))
     assert logs[0].count(TUNED) == 1 and logs[0].count(READ) == 1, logs[0]

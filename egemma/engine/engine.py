@@ -35,8 +35,9 @@ class EngineConfig:
     max_tokens: int = 16384  # tokens per forward; the largest graph bucket. Larger batches are split.
     max_seqs: int = 256  # sequences per forward
     # one kernel choice per op for every batch: a sequence's embedding has the same bits whatever it is batched with
-    # (egemma.kernels.tuning; the cost: README "One text, one vector")
-    deterministic: bool = True
+    # (egemma.kernels.tuning). Off by default: one query costs 26% more engine time on the H200 (no layer stack;
+    # perf/RESULTS.md, "Determinism", run 124)
+    deterministic: bool = False
 
     @classmethod
     def from_params(cls, checkpoint: str, params: dict[str, str]) -> "EngineConfig":
