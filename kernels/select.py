@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import bisect
 import importlib.util
-import logging
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -19,7 +18,6 @@ import torch
 
 from egemma.kernels import native
 
-log = logging.getLogger("egemma")
 
 NORM_BACKENDS = ("sgl-kernel", "triton", "native")
 ATTENTION_BACKENDS = ("fa3", "fa2", "native")
