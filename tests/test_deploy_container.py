@@ -1,5 +1,5 @@
 """The launcher started with exactly the container's command line (deploy/Dockerfile's ENTRYPOINT, less tini, and
-the Deployment's args; only the model path, run and cache directories and ports swapped) answers every path and port the
+the Deployment's args; only the model path, run and cache directories, the key file and ports swapped) answers every path and port the
 manifests name, serves every metric the autoscaler's rule reads, fails liveness when its watchdog stops, and
 exits within the grace period on SIGTERM."""
 import os
@@ -14,6 +14,8 @@ import tritonclient.grpc as grpcclient
 from helpers import Launcher, text_input, wait_for
 from manifests import DEPLOY, adapter_rule, container, container_argv, rendered
 
+KEY = "container-test-key"
+
 
 def test_the_container_command_line_serves_every_probe_path_port_and_metric(checkpoints, tmp_path):
     from egemma.ops.tritonserver import free_port
@@ -23,12 +25,16 @@ def test_the_container_command_line_serves_every_probe_path_port_and_metric(chec
     assert "command" not in c  # the image's ENTRYPOINT runs
     assert argv[:5] == ["tini", "--", "python3", "-m", "egemma.ops.launcher"]
     ports = {}  # manifest port -> the free port the test serves it on
+    assert "--api-key-file" in argv  # inference answers to the key; probes and metrics stay open
     run = [sys.executable, *argv[3:]]  # tini (PID 1 in the image) is not installed here
     for i, a in enumerate(run[:-1]):
         if a == "--model":
             run[i + 1] = str(checkpoints["eos"])
         elif a in ("--run-dir", "--cache-dir"):
             run[i + 1] = str(tmp_path / a[2:].split("-")[0])  # run, cache
+        elif a == "--api-key-file":  # the mounted secret
+            (tmp_path / "api-key").write_text(KEY + "\n")
+            run[i + 1] = str(tmp_path / "api-key")
         elif a.endswith("-port"):
             ports[int(run[i + 1])] = free_port()
             run[i + 1] = str(ports[int(run[i + 1])])
@@ -51,6 +57,9 @@ def test_the_container_command_line_serves_every_probe_path_port_and_metric(chec
             return f"http://127.0.0.1:{ports[port]}{path}"
         body = {"inputs": [{"name": "TEXT", "shape": [2, 1], "datatype": "BYTES", "data": ["probe", "metrics"]}]}
         r = requests.post(url("http", "/v2/models/embeddinggemma/infer"), json=body, timeout=60)
+        assert r.status_code == 401, r.text
+        r = requests.post(url("http", "/v2/models/embeddinggemma/infer"), json=body, timeout=60,
+                          headers={"Authorization": f"Bearer {KEY}"})
         assert r.status_code == 200, r.text
         hit = []
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
@@ -73,7 +82,8 @@ def test_the_container_command_line_serves_every_probe_path_port_and_metric(chec
         assert all(status == 200 for *_, status in hit), hit
         print("\n".join(f"{w}: {p} {path} -> {s}" for w, p, path, s in hit))
         got = grpcclient.InferenceServerClient(f"127.0.0.1:{ports[named['grpc']]}").infer(
-            "embeddinggemma", [text_input(["over grpc"])]).as_numpy("EMBEDDING")
+            "embeddinggemma", [text_input(["over grpc"])],
+            headers={"triton-grpc-protocol-api-key": KEY}).as_numpy("EMBEDDING")
         assert got.shape[0] == 1
 
         # Every series the autoscaling rule reads is served under that name, with the labels it filters on.

@@ -64,7 +64,7 @@ def test_server_rows_one_bit_pattern_across_compositions_and_instances(start_ser
 def test_every_protocol_gives_the_same_bits(server, api_gateway, texts, checkpoints):
     """KServe gRPC / HTTP (binary tensors through the gateway's fast lane), OpenAI float and base64, TEI /embed,
     and each text's token ids (from TEI /tokenize) through OpenAI and TEI: one bit pattern a text and option set."""
-    sample = texts[::6][:8]
+    sample = [t for t in texts if t][::5][:8]  # OpenAI refuses empty strings (its spec); KServe embeds them
     for params in ({}, {"prompt_name": "query", "dimensions": 32}):
         g = grpcclient.InferenceServerClient(server.grpc_url).infer(
             "embeddinggemma", [text_input(sample)], parameters=params or None).as_numpy("EMBEDDING")
@@ -73,6 +73,7 @@ def test_every_protocol_gives_the_same_bits(server, api_gateway, texts, checkpoi
             outputs=[httpclient.InferRequestedOutput("EMBEDDING", binary_data=True)]).as_numpy("EMBEDDING")
         extra = {k: v for k, v in params.items()}
         o = requests.post(f"{api_gateway.url}/v1/embeddings", json={"input": sample, **extra}, timeout=120).json()
+        assert "data" in o, (params, o)
         of = np.array([d["embedding"] for d in o["data"]], dtype=np.float32)
         ob = requests.post(f"{api_gateway.url}/v1/embeddings", timeout=120,
                            json={"input": sample, "encoding_format": "base64", **extra}).json()
