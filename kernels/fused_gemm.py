@@ -43,11 +43,13 @@ def _pid(tile, n_m, n_n, GROUP_M: tl.constexpr):
     return first + (tile % in_group) % size, (tile % in_group) // size
 
 
-@triton.jit
-def _gate_up_gelu_kernel(x_desc, w_desc, o_desc, s_ptr, M, N, K, BM: tl.constexpr, BN: tl.constexpr,
-                         BK: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr, SCALE: tl.constexpr):
+# One compile a tile whatever the rows: with the program count a constexpr, every token bucket was a compile of its
+# own (22 at load, most of the cold boot's kernel phase: perf/RESULTS.md run 124).
+@triton.jit(do_not_specialize=["M", "programs"])
+def _gate_up_gelu_kernel(x_desc, w_desc, o_desc, s_ptr, M, N, K, programs, BM: tl.constexpr, BN: tl.constexpr,
+                         BK: tl.constexpr, GROUP_M: tl.constexpr, SCALE: tl.constexpr):
     n_m, n_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
-    for tile in tl.range(tl.program_id(0), n_m * n_n, NUM_SMS, flatten=True):
+    for tile in tl.range(tl.program_id(0), n_m * n_n, programs, flatten=True):
         pm, pn = _pid(tile, n_m, n_n, GROUP_M)
         # x's rows are unnormalised: their RMSNorm scale, loaded before the K loop so that its latency hides there
         if SCALE:
@@ -93,7 +95,7 @@ def gate_up_gelu(x: torch.Tensor, w_gate_up: torch.Tensor, tile: Tile,
         n = min(tiles, sms)
         desc = TensorDescriptor.from_tensor
         _gate_up_gelu_kernel[(n,)](desc(x, [tile.bm, tile.bk]), desc(w_gate_up, [tile.bn, tile.bk]),
-                                   desc(out, [tile.bm, tile.bn // 2]), x if rstd is None else rstd, T, N, K,
-                                   tile.bm, tile.bn, tile.bk, 8, n, rstd is not None, num_stages=tile.stages,
+                                   desc(out, [tile.bm, tile.bn // 2]), x if rstd is None else rstd, T, N, K, n,
+                                   tile.bm, tile.bn, tile.bk, 8, rstd is not None, num_stages=tile.stages,
                                    num_warps=tile.warps)
     return out

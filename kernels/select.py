@@ -10,6 +10,7 @@ from __future__ import annotations
 import bisect
 import importlib.util
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from typing import Callable
@@ -69,6 +70,21 @@ def _backend_ops(backend: str) -> dict[str, Callable]:
 
     # no gelu_tanh_and_mul: sgl-kernel's reads [gate | up] halves, not the interleaved gate_up (egemma.engine.weights)
     return dict(norm_add_norm=norm_add_norm)
+
+
+def compile_together(calls: list[Callable], device: torch.device):
+    """Each call once, each on a thread of its own: the Triton-lang kernels they launch compile side by side (ptxas
+    is a process of its own) instead of one after another when each is first timed. A call that fails here fails
+    again where it is timed, which is where a failure is handled."""
+    def one(call):
+        torch.cuda.set_device(device)
+        try:
+            call()
+        except Exception:  # noqa: BLE001 (see above)
+            pass
+    with ThreadPoolExecutor(max(1, len(calls))) as ex:
+        list(ex.map(one, calls))
+    torch.cuda.synchronize(device)
 
 
 def time_ms(fn, *args, reps: int = 5, inner: int = 5, capture: bool = True, idle_s: float = 0.0) -> float:

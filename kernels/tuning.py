@@ -222,6 +222,9 @@ def _mlp_up(norms, device, dtype, hidden, intermediate, buckets, layers, invaria
     ws = [torch.randn(2 * intermediate, hidden, device=device, dtype=dtype) / hidden ** 0.5 for _ in range(layers)]
     w_post = torch.randn(hidden, device=device, dtype=dtype) * 0.1
     fns = {n: select.build_ops(norms, [n], device, dtype, hidden, invariant=invariant).mlp_up for n in cands}
+    x = torch.randn(buckets[0], hidden, device=device, dtype=dtype)
+    select.compile_together([lambda f=f: f(x.clone(), x.clone(), w_post, ws[0], 1e-6) for f in fns.values()],
+                            device)
     times, probe = [], {}
     for t in buckets:
         x = torch.randn(t, hidden, device=device, dtype=dtype)
@@ -251,7 +254,9 @@ def tune(model, runner, buckets: list[int], attention: list[str], tokens: int, n
     if dev.type == "cuda":
         warm_clocks(dev)
     norms = _norms(norm_backend, dev, dtype, c.hidden, c.intermediate, tokens)
+    t1 = time.perf_counter()
     mlp = _mlp_up(norms, dev, dtype, c.hidden, c.intermediate, buckets, c.layers, invariant)
+    t2 = time.perf_counter()
     choices = Choices(norms, mlp)
     cands = [b for b in attention if b != "native"]  # native attention syncs: not capturable
     if runner is not None and cands:
@@ -273,4 +278,6 @@ def tune(model, runner, buckets: list[int], attention: list[str], tokens: int, n
                     if ms[True] < ms[False]:
                         choices.stack.append(runner.name(k))
     choices.seconds = round(time.perf_counter() - t0, 2)
+    log.info("egemma: tuning: clocks and norms %.1fs, mlp_up %.1fs, attention and layer stack %.1fs", t1 - t0,
+             t2 - t1, t0 + choices.seconds - t2)
     return choices

@@ -104,4 +104,8 @@ def test_boot_cold_then_warm_logs_every_phase_and_takes_the_cached_paths(checkpo
     sources = [{v["phases"]["weights"]["source"] for i, v in run["instances"].items() if "encoder" in i}
                for run in runs.values()]
     assert sources == [{"checkpoint-cached"}, {"cache"}], sources
+    # cold, the tokenizer model resolves its tokenizer (while the encoders load), warm the launcher copies the cache's
+    sources = [{v["phases"]["tokenizer"]["source"] for i, v in run["instances"].items() if "tokenizer" in i}
+               for run in runs.values()]
+    assert sources == [{"resolved"}, {"file"}], sources
     assert list((tmp_path / "cache" / "tokenizer").glob("*.json")) and (tmp_path / "cache" / "triton").is_dir()

@@ -3,6 +3,7 @@ guarantees on top: every sequence is `BOS ... EOS` (added here, also where the c
 EOS), and truncation to max_seq_length keeps EOS last."""
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
@@ -32,33 +33,47 @@ def resolved_tokenizer_json(path) -> str:
     return AutoTokenizer.from_pretrained(str(path)).backend_tokenizer.to_str()
 
 
-def cached_tokenizer_json(path) -> str:
+def cached_tokenizer_json(path, resolve: bool = True) -> str | None:
     """resolved_tokenizer_json, from $EGEMMA_CACHE_DIR/tokenizer when it holds it (importing transformers alone
     takes seconds of every start), keyed by the checkpoint's tokenizer files (names, sizes, mtimes) and the
-    transformers version; without $EGEMMA_CACHE_DIR, or with a cache that cannot be written, resolved each time."""
+    transformers version; without $EGEMMA_CACHE_DIR, or with a cache that cannot be written, resolved each time.
+    A miss is resolved by one process at a time (the others wait, then read it); resolve=False: None on a miss."""
     if not os.environ.get(ENV):
-        return resolved_tokenizer_json(path)
+        return resolved_tokenizer_json(path) if resolve else None
     files = sorted(f for f in Path(path).iterdir() if f.is_file() and (
         f.name.startswith(("tokenizer", "special_")) or f.name in ("added_tokens.json", "config.json")))
     key = hashlib.sha256(repr([(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files]
                               + [metadata.version("transformers")]).encode()).hexdigest()[:24]
     d = Path(os.environ[ENV]).expanduser() / "tokenizer"
     hit = d / f"{key}.json"
-    try:
-        text = hit.read_text(encoding="utf-8")
-        json.loads(text)
-        return text
-    except (OSError, ValueError):  # a miss, or a corrupt entry: resolved again
-        pass
-    text = resolved_tokenizer_json(path)
-    if not unwritable(d):
-        tmp = d / f".{key}.{os.getpid()}"
+
+    def read() -> str | None:
         try:
-            tmp.write_text(text, encoding="utf-8")
-            os.replace(tmp, hit)
-        except OSError:
-            tmp.unlink(missing_ok=True)
+            text = hit.read_text(encoding="utf-8")
+            json.loads(text)
+            return text
+        except (OSError, ValueError):  # a miss, or a corrupt entry: resolved again
+            return None
+    if (text := read()) is not None or not resolve:
+        return text
+    if unwritable(d):
+        return resolved_tokenizer_json(path)
+    with open(d / ".lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # the tokenizer's instances start together: one resolves
+        if (text := read()) is None:
+            text = resolved_tokenizer_json(path)
+            write_atomic(hit, text)
     return text
+
+
+def write_atomic(path: Path, text: str):
+    """Readers see no file, or the old one, or the whole new one; a failed write leaves nothing behind."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
 
 
 class PromptError(ValueError):
@@ -68,15 +83,23 @@ class PromptError(ValueError):
 class TextTokenizer:
     def __init__(self, cfg: ModelConfig, tokenizer_json: str | None = None, backend: str = "auto",
                  threads: int | None = None):
-        """tokenizer_json: a file written from `resolved_tokenizer_json` (the serve launcher writes one, so the
-        server's Python needs no transformers); by default it is resolved here. backend: "c" (kernels/bpe.c: the
+        """tokenizer_json: a file written from `resolved_tokenizer_json` (the server's launcher writes one from its
+        cache); where it is missing, it is resolved here (cached_tokenizer_json) and written there, for the gateway:
+        on a cold cache the tokenizer model resolves it while the encoders load. backend: "c" (kernels/bpe.c: the
         same ids, several times faster), "tokenizers" (Hugging Face's), or "auto": c where it reproduces this
         tokenizer and builds here, else tokenizers; the choice is logged. Asking for c where it cannot be is an
         error. threads: the C tokenizer's pool beside the calling thread (default: one per other usable core)."""
         if backend not in TOKENIZER_BACKENDS:
             raise ValueError(f"tokenizer backend {backend!r}: choose from {TOKENIZER_BACKENDS}")
         self.cfg = cfg
-        raw = Path(tokenizer_json).read_text(encoding="utf-8") if tokenizer_json else resolved_tokenizer_json(cfg.path)
+        f = Path(tokenizer_json) if tokenizer_json else None
+        self.source = "file" if f is not None and f.exists() else "resolved"  # the boot log says which
+        if self.source == "file":
+            raw = f.read_text(encoding="utf-8")
+        else:
+            raw = cached_tokenizer_json(cfg.path)
+            if f is not None:
+                write_atomic(f, raw)
         self.tok = Tokenizer.from_str(raw)
         self.tok.no_padding()
         self.tok.no_truncation()

@@ -24,9 +24,18 @@ class Front:
         self._next_try = 0.0
 
     def start(self, timeout: float = 60.0, cancel=None) -> "Front":
-        """cancel: an event that, set meanwhile, ends the gateway (egemma.ops.procfs.Cancelled)."""
+        """launch() then wait()."""
+        return self.launch().wait(timeout, cancel)
+
+    def launch(self) -> "Front":
+        """The process started; it answers HTTP a moment later (it needs Triton only for requests: the launcher
+        starts it while Triton boots)."""
         self.proc = subprocess.Popen([sys.executable, "-m", "egemma.gateway.app", *self.args,
                                       f"--exit-with-parent={os.getpid()}"], start_new_session=True)
+        return self
+
+    def wait(self, timeout: float = 60.0, cancel=None) -> "Front":
+        """Until it answers. cancel: an event that, set meanwhile, ends the gateway (egemma.ops.procfs.Cancelled)."""
         wait_up(self.proc, self.answers, timeout, f"the gateway on {self.url}",
                 f"python -m egemma.gateway.app {' '.join(self.args)}", self.kill, cancel=cancel)
         return self

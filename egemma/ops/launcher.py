@@ -138,16 +138,6 @@ def main(argv=None):
     a.run_dir.mkdir(parents=True, exist_ok=True)
     cachedir.prepare(a.cache_dir, a.run_dir, log=lambda m: print(m, file=sys.stderr, flush=True))
     health_file = a.run_dir / "health.json"  # the watchdog's verdict (egemma.gateway.health) for the gateway
-    print(f"starting tritonserver for {ckpt} (cache {a.cache_dir}) ...", flush=True)
-    try:
-        if a.watchdog:
-            from egemma.ops.watchdog import Watchdog
-            supervisor = Watchdog(start, max_busy=a.watchdog_max_busy, health_file=health_file).start()
-        else:
-            supervisor = start()
-    except Cancelled:
-        print("stopped during boot", flush=True)
-        sys.exit(0)
     h = "127.0.0.1" if a.host in ("0.0.0.0", "::") else a.host
     ports = [a.http_port] + ([a.openai_port] if a.openai_port else [])
     front = Front([*(f"--port={p}" for p in ports), f"--host={a.host}", f"--triton-http=127.0.0.1:{internal}",
@@ -156,10 +146,20 @@ def main(argv=None):
                    f"--model-name={a.served_model_name}", *(f"--alias={n}" for n in a.alias),
                    *([f"--health-file={health_file}"] if a.watchdog else []),
                    *([f"--api-key-file={api_key_file}"] if api_key_file else [])], f"http://{h}:{a.http_port}")
+    print(f"starting tritonserver for {ckpt} (cache {a.cache_dir}) ...", flush=True)
+    front.launch()  # its start (imports, workers) overlaps Triton's boot; it answers 503 until Triton is ready
+    supervisor = None
     try:
-        front.start(cancel=stop)
+        if a.watchdog:
+            from egemma.ops.watchdog import Watchdog
+            supervisor = Watchdog(start, max_busy=a.watchdog_max_busy, health_file=health_file).start()
+        else:
+            supervisor = start()
+        front.wait(cancel=stop)
     except (RuntimeError, TimeoutError, Cancelled) as e:
-        supervisor.stop(hurry=hurry)
+        front.kill()
+        if supervisor is not None:
+            supervisor.stop(hurry=hurry)
         if isinstance(e, Cancelled):
             print("stopped during boot", flush=True)
             sys.exit(0)

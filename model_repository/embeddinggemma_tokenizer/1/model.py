@@ -24,7 +24,7 @@ class TritonPythonModel:
         checkpoint, params = triton_params(args["model_config"])
         self.cfg = ModelConfig.load(checkpoint)
         self.tok = TextTokenizer(self.cfg, params.get("tokenizer_json"), params.get("tokenizer_backend", "auto"))
-        boot.phase("tokenizer")
+        boot.phase("tokenizer", source=self.tok.source)
         self.max_text_bytes = int(params.get("max_text_bytes", 1_000_000))
         # checked here too, not only in the encoder: a request the ensemble refuses never reaches the encoder, whose
         # response cache would keep an error as an empty answer (Triton 2.51; tests/test_response_cache.py)
