@@ -361,9 +361,7 @@ def layers(h: torch.Tensor, w: dict[str, torch.Tensor], rope: torch.Tensor, slid
                          f"qkv rows {qkv_rows} for {heads} + 2 x {kv_heads} heads, heads x head_dim = hidden {D}, "
                          f"on {h.device} (a GPU: Hopper or newer, an SM for each of {grid(D, I, qkv_rows)} programs)")
     sync = h.is_cuda if sync is None else sync
-    bm = max(16, triton.next_power_of_2(T))  # one compile per bm, whatever the sequence count: NCU = 2 bm
-    if cu_seqlens.shape[0] > 2 * bm:
-        raise ValueError(f"layers: {cu_seqlens.shape[0]} cu_seqlens entries for {T} tokens (at most {2 * bm})")
+    bm = max(16, triton.next_power_of_2(T))
     scratch = torch.empty((4 * T * D + T * qkv_rows + T * I,), dtype=h.dtype, device=h.device)
     h_b, at, o, out = (scratch[i * T * D:(i + 1) * T * D].view(T, D) for i in range(4))
     qkv = scratch[4 * T * D:4 * T * D + T * qkv_rows].view(T, qkv_rows)
@@ -385,7 +383,7 @@ def layers(h: torch.Tensor, w: dict[str, torch.Tensor], rope: torch.Tensor, slid
                              cu_seqlens.shape[0], T, eps, scale, window, first, last, D=D, I=I, H=heads,
                              HKV=kv_heads, DH=dh,
                              HP=max(16, dh // 2), NL=nl, P=rope.shape[1], BM=bm,
-                             NCU=2 * bm, D1=d1, D2=d2, I1=i1, I2=i2, NP=PHASES,
+                             NCU=triton.next_power_of_2(cu_seqlens.shape[0]), D1=d1, D2=d2, I1=i1, I2=i2, NP=PHASES,
                              BN=BN, KSD=min(KSPLIT, d2 // 16), KSI=min(KSPLIT, i2 // 16), SYNC=sync,
                              TIMES=times is not None, num_warps=8,
                              num_stages=1,  # no pipelining: each phase loads its rows at once
