@@ -110,7 +110,7 @@ def main():
     ap.add_argument("--workers", type=int, default=1, help="gateway processes")
     ap.add_argument("--big-rows", type=int, default=64)
     ap.add_argument("--big-bytes", type=int, default=1_000_000, help="bytes per row (max_text_bytes)")
-    ap.add_argument("--big-runs", type=int, default=3)
+    ap.add_argument("--big-runs", type=int, default=3, help="0: no largest request")
     ap.add_argument("--api-key", action="store_true", help="serve and query with an API key")
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
@@ -152,6 +152,9 @@ def main():
                       + added, flush=True)
         finally:
             front.stop()
+        if a.big_runs < 1:
+            (a.out / "front.json").write_text(json.dumps(res, indent=1))
+            return
         res["largest"] = big_res = largest_request(s, big, a.big_runs)
         print(f"largest request ({a.big_rows} x {a.big_bytes} bytes over gRPC): median {big_res['median_s']:.2f} s "
               f"of {big_res['wall_s']}")

@@ -5,7 +5,8 @@ the server log (egemma.engine.boot: import, weights / tokenizer, kernels, captur
 the launcher's start, and how long it took, with the weights' source: checkpoint or cache), and the stop that
 followed (seconds from SIGTERM to exit, exit code, whether Triton waited out its exit timeout).
 
-  python perf/boot.py CHECKPOINT [--cache-dir DIR] [--runs cold,warm] [--out boot.json] [-- LAUNCHER ARGS...]
+  python perf/boot.py CHECKPOINT [--cache-dir DIR] [--runs cold,warm] [--out boot.json] [--timeout 240]
+                      [-- LAUNCHER ARGS...]
 
 The cache directory defaults to a new temporary one (removed after); a given one is emptied first for the cold
 start. Launcher arguments after `--` (e.g. --instances embeddinggemma_encoder=1) go to every start."""
@@ -33,25 +34,35 @@ PHASES = ("import", "tokenizer", "weights", "kernels", "capture", "ready")
 BAD = ("Exit timeout expired", "Non-graceful termination detected")
 
 
-def start(ckpt: Path, cache: Path, run_dir: Path, extra: list[str], timeout: float) -> dict:
-    """One start and stop of the launcher: its timeline (see the module docstring)."""
+def start(ckpt: Path, cache: Path, run_dir: Path, extra: list[str], timeout: float, log_path: Path) -> dict:
+    """One start and stop of the launcher: its timeline (see the module docstring). Its output goes to log_path as it
+    comes, so a start that hangs past a device call's limit still shows where."""
     ports = [free_port() for _ in range(3)]
     argv = [sys.executable, "-m", "egemma.ops.launcher", "--model", str(ckpt), "--cache-dir", str(cache),
             "--run-dir", str(run_dir), "--http-port", str(ports[0]), "--grpc-port", str(ports[1]),
             "--metrics-port", str(ports[2]), *extra]
     lines: list[tuple[float, str]] = []
-    ready = threading.Event()
+    ended = threading.Event()  # the `ready:` line, or the launcher's output closed (it exited)
     t0 = time.time()
     proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
     def read():
-        for line in proc.stdout:
-            lines.append((time.time(), line.rstrip("\n")))
-            if line.startswith("ready:"):
-                ready.set()
+        with log_path.open("w") as live:
+            for line in proc.stdout:
+                lines.append((time.time(), line.rstrip("\n")))
+                live.write(f"{time.time() - t0:8.2f} {line}")
+                live.flush()
+                if line.startswith("ready:"):
+                    ended.set()
+        ended.set()
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
-    ok = ready.wait(timeout)
+    ended.wait(timeout)
+    ok = any(text.startswith("ready:") for _, text in lines)
+    if not ok and proc.poll() is None:
+        # every stub prints its threads' stacks (egemma.engine.boot.begin) into the log before the stop
+        subprocess.run(["pkill", "-USR1", "-f", "triton_python_backend_stub"], check=False)
+        time.sleep(2)  # (not synchronisation: a margin for the stacks to reach the log)
     t_ready = time.time()
     t_stop = time.time()
     proc.send_signal(signal.SIGTERM)
@@ -64,7 +75,8 @@ def start(ckpt: Path, cache: Path, run_dir: Path, extra: list[str], timeout: flo
     reader.join(10)
     log = "\n".join(text for _, text in lines)
     if not ok:
-        raise SystemExit(f"the launcher was not ready within {timeout:.0f}s; its output:\n{log[-4000:]}")
+        raise SystemExit(f"the launcher was not ready (exit code {rc}, {time.time() - t0:.0f}s); its output:\n"
+                         f"{log[-4000:]}")
     instances: dict[str, dict] = {}
     for m in LINE.finditer(log):
         pid, name, phase, end, seconds, info = m.groups()
@@ -95,8 +107,9 @@ def main(argv=None):
     ap.add_argument("checkpoint", type=Path)
     ap.add_argument("--cache-dir", type=Path, help="emptied first (default: a new temporary directory)")
     ap.add_argument("--runs", default="cold,warm", help="comma-separated: cold (cache emptied first) or warm")
-    ap.add_argument("--timeout", type=float, default=600.0, help="seconds each start may take")
-    ap.add_argument("--out", type=Path, help="the timelines as JSON (and each start's log beside it)")
+    ap.add_argument("--timeout", type=float, default=240.0, help="seconds each start may take")
+    ap.add_argument("--out", type=Path, default=Path("boot.json"),
+                    help="the timelines as JSON, each start's log beside it, written as it comes (default boot.json)")
     a = ap.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
     tmp = Path(tempfile.mkdtemp(prefix="egemma-boot-"))
     cache = a.cache_dir or tmp / "cache"
@@ -105,16 +118,15 @@ def main(argv=None):
         for i, run in enumerate(a.runs.split(",")):
             if run == "cold":
                 shutil.rmtree(cache, ignore_errors=True)
-            r = start(a.checkpoint, cache, tmp / f"run{i}", extra, a.timeout)
+            a.out.parent.mkdir(parents=True, exist_ok=True)
+            r = start(a.checkpoint, cache, tmp / f"run{i}", extra, a.timeout, a.out.parent / f"{a.out.stem}-{i + 1}-{run}.log")
             table(f"{run} (start {i + 1})", r)
             results[f"{i + 1}-{run}"] = r
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    if a.out:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        for k, r in results.items():
-            (a.out.parent / f"{a.out.stem}-{k}.log").write_text(r.pop("log"))
-        a.out.write_text(json.dumps(results, indent=1))
+    for r in results.values():
+        r.pop("log")
+    a.out.write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@
 #   soak-wait            wait (up to ~9 min) for the soak to end; its results go to $OUT either way
 #   gateway              perf/bench_gateway.py: single texts at c=64 through the gateway's OpenAI route vs gRPC
 #                        (perf_analyzer + an aio driver), gateway workers 1/2/4; needs aiohttp + orjson (+ uvloop):
-#                        carry .gpu/gateway-deps.tar.xz beside the server set; $EGEMMA_GATEWAY_ARGS go to it
+#                        carry .gpu/whl (perf/gpu_bundle.sh) beside the server set; $EGEMMA_GATEWAY_ARGS go to it
 #   memory               perf/memory_engine.py: GPU memory of one engine per stage and variant, with replay times;
 #                        $EGEMMA_MEMORY_ARGS go to it (e.g. --variant NAME:PYTORCH_CUDA_ALLOC_CONF=...,max_tokens=N)
 #   determinism          perf/determinism.py: batch invariance of the engine (deterministic and per-bucket choices), its
@@ -31,7 +31,7 @@
 #                        $EGEMMA_DETERMINISM_ARGS go to it (--serve: the cost end to end; --cache: the Zipf cache bench)
 #   front                perf/bench_front.py: one query over HTTP direct to Triton vs through the gateway (p50/p99,
 #                        interleaved), and the largest request (64 x 1 MB over gRPC) split per model; carry
-#                        .gpu/gateway-deps.tar.xz as for `gateway`; $EGEMMA_FRONT_ARGS go to it
+#                        .gpu/whl as for `gateway`; $EGEMMA_FRONT_ARGS go to it
 #   peers-stage          perf/peers_stage.sh: add the carried part(s) of the peers' bundle (.gpu/peers/, vLLM 0.26.0 +
 #                        Infinity 0.0.78 and what the host lacks for them) to /tmp/peers; once all are there, unpack
 #                        and check their imports. One part per call, calls back to back (a warm machine keeps /tmp)
@@ -45,15 +45,19 @@
 #                        ceilings against do-nothing models)
 #   boot                 perf/boot.py: `python -m egemma.ops.launcher` on the full-size checkpoint started cold (empty
 #                        --cache-dir) then warm, each instance's boot phases, process start to ready, and the stop
-#                        after each (SIGTERM to exit); the launcher runs the gateway, so carry .gpu/gateway-deps.tar.xz
+#                        after each (SIGTERM to exit); the launcher runs the gateway, so carry .gpu/whl
 #                        as for `gateway`; $EGEMMA_BOOT_ARGS go to it (launcher arguments after --)
-# Full logs and JSON go to $OUT. Needs .gpu/activate.sh and the archives named in perf/RESULTS.md.
+# Full logs and JSON go to $OUT. Needs .gpu/ as perf/gpu_bundle.sh assembles it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/egemma-out}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 source .gpu/activate.sh
+if compgen -G ".gpu/whl/*.whl" > /dev/null; then  # wheels the host lacks (perf/gpu_bundle.sh: orjson for the gateway)
+  python3 -m pip install -q --no-index --no-deps --target /tmp/gpu-deps/whl .gpu/whl/*.whl \
+    && export PYTHONPATH="/tmp/gpu-deps/whl${PYTHONPATH:+:$PYTHONPATH}"
+fi
 site="$(python3 -c 'import site; print(site.getsitepackages()[0])')"
 echo "$PWD" > "$site/egemma-dev.pth"  # the project importable by python3 and by the stub's venv
 nvidia-smi --query-gpu=name,memory.used,clocks.sm,clocks.max.sm --format=csv,noheader
@@ -120,7 +124,7 @@ for step in "$@"; do
           | tee "$OUT/bench_gateway.log" | grep -v "^\[transformers\]" | tail -n 14
         cp /tmp/gateway/results.json "$OUT/gateway.json" 2>/dev/null
       else
-        echo "gateway: no aiohttp/orjson on this host: carry .gpu/gateway-deps.tar.xz (activate.sh unpacks it)"
+        echo "gateway: no aiohttp/orjson on this host: carry .gpu/whl (perf/gpu_bundle.sh)"
       fi ;;
     memory)
       # shellcheck disable=SC2086  # the extra arguments are meant to split on spaces

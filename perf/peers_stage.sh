@@ -7,7 +7,7 @@
 # Carried: .gpu/peers/peers-bundle.tar.partN (N = 0 .. parts-1) and .gpu/peers/peers-bundle.sha256, whose first
 # line is `<sha256>  peers-bundle.tar` and second `parts <count>`. Result: /tmp/peers/vllm and /tmp/peers/infinity,
 # each a folder for PYTHONPATH (perf/peers.py puts it there for that server's process only), and /tmp/peers/gateway
-# (orjson, which our gateway needs, for a call that carries no .gpu/gateway-deps.tar.xz).
+# (orjson, which our gateway needs, for a call that carries no .gpu/whl).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 P=/tmp/peers

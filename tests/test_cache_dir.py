@@ -12,7 +12,7 @@ import torch
 from egemma.engine import weights
 from egemma.engine.cache import ENV
 from egemma.engine.config import ModelConfig
-from egemma.engine.tokenizer import cached_tokenizer_json, resolved_tokenizer_json
+from egemma.engine.tokenizer import cached_tokenizer_json, resolve_ahead, resolved_tokenizer_json
 from egemma.ops import cachedir
 from helpers import ROOT
 
@@ -60,6 +60,23 @@ def test_resolved_tokenizer_is_cached_and_resolved_again_when_corrupt(checkpoint
     assert cached_tokenizer_json(checkpoints["eos"]) == want and hit.read_text() == want
 
 
+def test_a_miss_resolved_ahead_serves_a_process_that_cannot_import_transformers(checkpoints, tmp_path, monkeypatch):
+    """The launcher resolves a cold tokenizer (resolve_ahead) while the tokenizer model's stubs start; a stub whose
+    environment cannot import transformers (the GPU host's numpy-1.26 stub env: perf/RESULTS.md run 125) waits for
+    the entry instead of resolving it. The child starts after the lock is taken, so it always waits."""
+    monkeypatch.setenv(ENV, str(tmp_path))
+    ckpt = checkpoints["eos"]
+    thread = resolve_ahead(ckpt)
+    child = subprocess.run([sys.executable, "-c", (
+        "import sys; sys.modules['transformers'] = None\n"  # any `import transformers` now fails
+        "from egemma.engine.tokenizer import cached_tokenizer_json\n"
+        f"sys.stdout.write(cached_tokenizer_json({str(ckpt)!r}))")], capture_output=True, text=True, cwd=ROOT)
+    thread.join()
+    assert child.returncode == 0, child.stderr
+    assert child.stdout == resolved_tokenizer_json(ckpt)
+    assert resolve_ahead(ckpt) is None  # a hit: nothing to do
+
+
 def test_kernel_cache_entries_that_differ_from_the_sealed_copy_are_removed(tmp_path, monkeypatch):
     for var in (ENV, "TRITON_CACHE_DIR"):  # prepare() exports both; restored after the test
         monkeypatch.setenv(var, "unset")
@@ -104,8 +121,9 @@ def test_boot_cold_then_warm_logs_every_phase_and_takes_the_cached_paths(checkpo
     sources = [{v["phases"]["weights"]["source"] for i, v in run["instances"].items() if "encoder" in i}
                for run in runs.values()]
     assert sources == [{"checkpoint-cached"}, {"cache"}], sources
-    # cold, the tokenizer model resolves its tokenizer (while the encoders load), warm the launcher copies the cache's
+    # cold, the launcher resolves the tokenizer into the cache while the models load and the tokenizer model reads it
+    # there; warm, the launcher copies the cache's entry to the file the model reads
     sources = [{v["phases"]["tokenizer"]["source"] for i, v in run["instances"].items() if "tokenizer" in i}
                for run in runs.values()]
-    assert sources == [{"resolved"}, {"file"}], sources
+    assert sources == [{"cache"}, {"file"}], sources
     assert list((tmp_path / "cache" / "tokenizer").glob("*.json")) and (tmp_path / "cache" / "triton").is_dir()

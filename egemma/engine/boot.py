@@ -11,8 +11,11 @@ of initialize).
 begin() names the instance; a phase logged before it (the weights, read inside the engine) carries the pid only."""
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
+import signal
+import sys
 import time
 
 PREFIX = "egemma boot:"
@@ -34,9 +37,11 @@ def process_start() -> float:
 
 
 def begin(instance: str):
-    """Name this process's instance and log the `import` phase: everything until now."""
+    """Name this process's instance and log the `import` phase: everything until now. From here `kill -USR1` on the
+    process prints every thread's stack to the server's log: a boot or a request that hangs shows where."""
     global _instance
     _instance = instance
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
     phase("import", since=process_start())
 
 

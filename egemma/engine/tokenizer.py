@@ -8,6 +8,7 @@ import hashlib
 import json
 import logging
 import os
+import threading
 from importlib import metadata
 from pathlib import Path
 
@@ -33,37 +34,67 @@ def resolved_tokenizer_json(path) -> str:
     return AutoTokenizer.from_pretrained(str(path)).backend_tokenizer.to_str()
 
 
-def cached_tokenizer_json(path, resolve: bool = True) -> str | None:
-    """resolved_tokenizer_json, from $EGEMMA_CACHE_DIR/tokenizer when it holds it (importing transformers alone
-    takes seconds of every start), keyed by the checkpoint's tokenizer files (names, sizes, mtimes) and the
-    transformers version; without $EGEMMA_CACHE_DIR, or with a cache that cannot be written, resolved each time.
-    A miss is resolved by one process at a time (the others wait, then read it); resolve=False: None on a miss."""
-    if not os.environ.get(ENV):
-        return resolved_tokenizer_json(path) if resolve else None
+def _entry(path) -> Path:
+    """The cache entry of this checkpoint's resolved tokenizer: keyed by its tokenizer files (names, sizes, mtimes)
+    and the transformers version."""
     files = sorted(f for f in Path(path).iterdir() if f.is_file() and (
         f.name.startswith(("tokenizer", "special_")) or f.name in ("added_tokens.json", "config.json")))
     key = hashlib.sha256(repr([(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files]
                               + [metadata.version("transformers")]).encode()).hexdigest()[:24]
-    d = Path(os.environ[ENV]).expanduser() / "tokenizer"
-    hit = d / f"{key}.json"
+    return Path(os.environ[ENV]).expanduser() / "tokenizer" / f"{key}.json"
 
-    def read() -> str | None:
-        try:
-            text = hit.read_text(encoding="utf-8")
-            json.loads(text)
-            return text
-        except (OSError, ValueError):  # a miss, or a corrupt entry: resolved again
-            return None
-    if (text := read()) is not None or not resolve:
+
+def _read(entry: Path) -> str | None:
+    try:
+        text = entry.read_text(encoding="utf-8")
+        json.loads(text)
         return text
-    if unwritable(d):
+    except (OSError, ValueError):  # a miss, or a corrupt entry: resolved again
+        return None
+
+
+def _lock(entry: Path):
+    """The cache's lock, held (released when the returned file closes): one process at a time resolves a miss."""
+    lock = open(entry.parent / ".lock", "a")
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    return lock
+
+
+def cached_tokenizer_json(path, resolve: bool = True) -> str | None:
+    """resolved_tokenizer_json, from $EGEMMA_CACHE_DIR/tokenizer when it holds it (importing transformers alone
+    takes seconds of every start); without $EGEMMA_CACHE_DIR, or with a cache that cannot be written, resolved each
+    time. A miss is resolved by one process at a time (the others wait, then read it); resolve=False: None on a
+    miss."""
+    if not os.environ.get(ENV):
+        return resolved_tokenizer_json(path) if resolve else None
+    entry = _entry(path)
+    if (text := _read(entry)) is not None or not resolve:
+        return text
+    if unwritable(entry.parent):
         return resolved_tokenizer_json(path)
-    with open(d / ".lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # the tokenizer's instances start together: one resolves
-        if (text := read()) is None:
+    with _lock(entry):
+        if (text := _read(entry)) is None:
             text = resolved_tokenizer_json(path)
-            write_atomic(hit, text)
+            write_atomic(entry, text)
     return text
+
+
+def resolve_ahead(path) -> threading.Thread | None:
+    """On a cache miss, resolve into the cache on a thread of this process, holding the cache's lock from before
+    this returns: processes started next (the tokenizer model's instances) wait on it and read the entry, so they
+    never import transformers themselves, which a stub's environment may not manage (numpy 1.26 against a host's
+    numpy-2 builds of scipy: perf/RESULTS.md run 125). None where there is nothing to do."""
+    if not os.environ.get(ENV) or _read(entry := _entry(path)) is not None or unwritable(entry.parent):
+        return None
+    lock = _lock(entry)
+
+    def run():
+        with lock:
+            if _read(entry) is None:
+                write_atomic(entry, resolved_tokenizer_json(path))
+    t = threading.Thread(target=run, name="egemma-tokenizer-resolve", daemon=True)
+    t.start()
+    return t
 
 
 def write_atomic(path: Path, text: str):
@@ -84,8 +115,8 @@ class TextTokenizer:
     def __init__(self, cfg: ModelConfig, tokenizer_json: str | None = None, backend: str = "auto",
                  threads: int | None = None):
         """tokenizer_json: a file written from `resolved_tokenizer_json` (the server's launcher writes one from its
-        cache); where it is missing, it is resolved here (cached_tokenizer_json) and written there, for the gateway:
-        on a cold cache the tokenizer model resolves it while the encoders load. backend: "c" (kernels/bpe.c: the
+        cache); where it is missing, it is taken from the cache (cached_tokenizer_json; on a cold cache the launcher
+        resolves it there while the models load: resolve_ahead) and written there, for the gateway. backend: "c" (kernels/bpe.c: the
         same ids, several times faster), "tokenizers" (Hugging Face's), or "auto": c where it reproduces this
         tokenizer and builds here, else tokenizers; the choice is logged. Asking for c where it cannot be is an
         error. threads: the C tokenizer's pool beside the calling thread (default: one per other usable core)."""
@@ -93,7 +124,8 @@ class TextTokenizer:
             raise ValueError(f"tokenizer backend {backend!r}: choose from {TOKENIZER_BACKENDS}")
         self.cfg = cfg
         f = Path(tokenizer_json) if tokenizer_json else None
-        self.source = "file" if f is not None and f.exists() else "resolved"  # the boot log says which
+        # the boot log says which: the launcher's file, or the cache (resolved here where there is none)
+        self.source = "file" if f is not None and f.exists() else "cache" if os.environ.get(ENV) else "resolved"
         if self.source == "file":
             raw = f.read_text(encoding="utf-8")
         else:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from egemma.engine.cpus import usable_cores
 from egemma.engine.cache import ENV
-from egemma.engine.tokenizer import cached_tokenizer_json
+from egemma.engine.tokenizer import cached_tokenizer_json, resolve_ahead
 from egemma.ops.host import tokenizer_instances
 from egemma.ops import shm
 from egemma.ops.procfs import end_group, wait_exit, wait_up
@@ -119,10 +119,13 @@ class TritonServer:
         shm.reap(self.run_dir)  # a server left by an owner killed with SIGKILL, and its shared memory
         tokenizer_json = self.run_dir / "tokenizer.json"
         tokenizer_json.unlink(missing_ok=True)
-        # With a cache directory, a miss is resolved by the tokenizer model (it writes the file) while the encoders
-        # load, not ahead of the whole boot (cold, the models began loading 16.9 s after the start, warm 2.4 s: run 124).
+        # With a cache directory, a miss is resolved into it on a thread of this process while the models load, not
+        # ahead of the whole boot (cold, the models began loading 16.9 s after the start, warm 2.4 s: run 124); the
+        # tokenizer model waits for it and writes the file.
         if (text := cached_tokenizer_json(checkpoint, resolve=not os.environ.get(ENV))) is not None:
             tokenizer_json.write_text(text)
+        else:
+            resolve_ahead(checkpoint)
         params = {"tokenizer_json": str(tokenizer_json), **(params or {})}
         if repository == REPO:
             defaults = CPU_INSTANCES if not gpu_host() else {
