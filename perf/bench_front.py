@@ -1,6 +1,7 @@
 """What the HTTP front (egemma.gateway.app) costs, on the GPU host: one ~16-token query over HTTP, direct to
-Triton's own HTTP, through the gateway's fast lane and through its aiohttp path (a percent-escape in the query
-string, which the lane hands over), interleaved on one server (a keep-alive http.client connection each);
+Triton's own HTTP, through a bare Python byte pipe (perf/proxy_floor.py: the hop alone), through the gateway's fast
+lane and through its aiohttp path (a percent-escape in the query string, which the lane hands over), interleaved on
+one server (a keep-alive http.client connection each);
 and the largest request the server takes (64 texts x 1 MB, over gRPC: over HTTP it is a 413) with its time split
 across the models (Triton's statistics).
 
@@ -60,25 +61,28 @@ def ms(xs: list[float]) -> dict:
             "mean_ms": 1e3 * statistics.fmean(xs), "n": len(xs)}
 
 
-def query_latency(server, front, query: str, n: int, key: str | None = None) -> dict:
+def query_latency(server, front, pipe, query: str, n: int, key: str | None = None) -> dict:
+    """pipe: the byte pipe's process (perf/proxy_floor.py) and port."""
     body = json.dumps({"inputs": [{"name": "TEXT", "shape": [1, 1], "datatype": "BYTES", "data": [query]}]}).encode()
     conns = {"direct": http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=60),
+             "pipe": http.client.HTTPConnection("127.0.0.1", pipe[1], timeout=60),
              "gateway": http.client.HTTPConnection("127.0.0.1", front.port, timeout=60),
              "aiohttp": http.client.HTTPConnection("127.0.0.1", front.port, timeout=60)}
-    targets = {"direct": INFER, "gateway": INFER, "aiohttp": INFER + "?via=%61iohttp"}
-    headers = {k: {} if key is None else {"api-key": key} if k == "direct" else {"Authorization": f"Bearer {key}"}
-               for k in conns}
+    targets = {"direct": INFER, "pipe": INFER, "gateway": INFER, "aiohttp": INFER + "?via=%61iohttp"}
+    headers = {k: {} if key is None else {"api-key": key} if k in ("direct", "pipe")
+               else {"Authorization": f"Bearer {key}"} for k in conns}
+    pids = {"pipe": pipe[0].pid, "gateway": front.proc.pid, "aiohttp": front.proc.pid}
     for k, c in conns.items():  # warm-up: connections, the gateway's pool, the models
         for _ in range(min(200, n)):  # fewer for a short run: an idle connection must not time out
             one_query(c, body, targets[k], headers[k])
-    times, cpu = {k: [] for k in conns}, {"gateway": 0.0, "aiohttp": 0.0}
+    times, cpu = {k: [] for k in conns}, {k: 0.0 for k in pids}
     order = list(conns)
     for i in range(n):
-        for k in order[i % 3:] + order[:i % 3]:
-            c0 = cpu_s(front.proc.pid) if k in cpu else 0.0
+        for k in order[i % len(order):] + order[:i % len(order)]:
+            c0 = cpu_s(pids[k]) if k in cpu else 0.0
             times[k].append(one_query(conns[k], body, targets[k], headers[k]))
             if k in cpu:
-                cpu[k] += cpu_s(front.proc.pid) - c0
+                cpu[k] += cpu_s(pids[k]) - c0
     out = {k: ms(v) for k, v in times.items()}
     for k in cpu:
         out[f"{k}_added_p50_ms"] = out[k]["p50_ms"] - out["direct"]["p50_ms"]
@@ -136,22 +140,28 @@ def main():
                       f"http://127.0.0.1:{port}")
         front.port = port
         front.start()
+        pipe_port = free_port()
+        pipe = subprocess.Popen([sys.executable, str(Path(__file__).with_name("proxy_floor.py")), str(pipe_port),
+                                 f"127.0.0.1:{s.http_port}"], stdout=subprocess.PIPE, text=True)
+        assert pipe.stdout.readline().strip() == "listening"
         apps = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,process_name,used_memory",
                                "--format=csv,noheader"], capture_output=True, text=True).stdout.strip() \
             if shutil.which("nvidia-smi") else "(no nvidia-smi)"
         res["gpu_memory_per_process"] = apps.splitlines()  # issue #12: each encoder stub's share
         print("GPU memory per process:\n  " + apps.replace("\n", "\n  "))
         try:
-            res["query"] = query_latency(s, front, query, a.n, key)
+            res["query"] = query_latency(s, front, (pipe, pipe_port), query, a.n, key)
             q = res["query"]
             print(f"one {res['query_tokens']}-token query over HTTP, {a.n} each, interleaved:")
-            for k in ("direct", "gateway", "aiohttp"):
+            for k in ("direct", "pipe", "gateway", "aiohttp"):
                 added = f"  added p50 {q[f'{k}_added_p50_ms']:+.3f} ms, gateway CPU " \
                         f"{q[f'{k}_cpu_ms_per_request']:.3f} ms per request" if k != "direct" else ""
                 print(f"  {k:8s} p50 {q[k]['p50_ms']:.3f} ms  p99 {q[k]['p99_ms']:.3f} ms  mean {q[k]['mean_ms']:.3f} ms"
                       + added, flush=True)
         finally:
             front.stop()
+            pipe.kill()
+            pipe.wait()
         if a.big_runs < 1:
             (a.out / "front.json").write_text(json.dumps(res, indent=1))
             return

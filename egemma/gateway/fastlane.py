@@ -85,6 +85,7 @@ class Lanes:
 class _Lane(asyncio.Protocol):
     def __init__(self, lanes: Lanes):
         self.lanes, self.buf, self.transport = lanes, bytearray(), None
+        self.loop = asyncio.get_running_loop()  # made by the loop's server: once, not per request
         self.busy = False  # a request is at Triton: the next one waits (one at a time, answers in order)
         self.reading_paused = self.writing_paused = self.advancing = self.handed = False
         self.timer, self.expires = None, None
@@ -128,7 +129,7 @@ class _Lane(asyncio.Protocol):
         self.advancing = True
         try:
             while not (self.busy or self.writing_paused or self.handed or self.transport.is_closing()):
-                if self.pending is None and not self._head():
+                if self.pending is None and (not self.buf or not self._head()):
                     break
                 if self.handed or len(self.buf) < self.pending[2] + self.pending[3]:
                     break
@@ -148,19 +149,18 @@ class _Lane(asyncio.Protocol):
         """Close the connection unless the next request is complete within seconds (idle, mid-headers or
         mid-body, as aiohttp's keep-alive and the gateway's body deadline do). One timer, moved only to fire
         sooner (when it fires early it re-arms): requests do not churn timers."""
-        loop = asyncio.get_running_loop()
-        self.expires = None if seconds is None else loop.time() + seconds
+        self.expires = None if seconds is None else self.loop.time() + seconds
         if self.expires is not None and (self.timer is None or self.timer.when() > self.expires):
             if self.timer is not None:
                 self.timer.cancel()
-            self.timer = loop.call_at(self.expires, self._expire)
+            self.timer = self.loop.call_at(self.expires, self._expire)
 
     def _expire(self):
         self.timer = None
         if self.expires is None:
             return
-        if (loop := asyncio.get_running_loop()).time() < self.expires:
-            self.timer = loop.call_at(self.expires, self._expire)
+        if self.loop.time() < self.expires:
+            self.timer = self.loop.call_at(self.expires, self._expire)
         else:
             self.transport.close()
 
