@@ -119,7 +119,8 @@ def main(argv=None):
             if run == "cold":
                 shutil.rmtree(cache, ignore_errors=True)
             a.out.parent.mkdir(parents=True, exist_ok=True)
-            r = start(a.checkpoint, cache, tmp / f"run{i}", extra, a.timeout, a.out.parent / f"{a.out.stem}-{i + 1}-{run}.log")
+            log = a.out.parent / f"{a.out.stem}-{i + 1}-{run}.log"
+            r = start(a.checkpoint, cache, tmp / f"run{i}", extra, a.timeout, log)
             table(f"{run} (start {i + 1})", r)
             results[f"{i + 1}-{run}"] = r
     finally:

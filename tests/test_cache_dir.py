@@ -62,7 +62,7 @@ def test_resolved_tokenizer_is_cached_and_resolved_again_when_corrupt(checkpoint
 
 def test_a_miss_resolved_ahead_serves_a_process_that_cannot_import_transformers(checkpoints, tmp_path, monkeypatch):
     """The launcher resolves a cold tokenizer (resolve_ahead) while the tokenizer model's stubs start; a stub whose
-    environment cannot import transformers (the GPU host's numpy-1.26 stub env: perf/RESULTS.md run 125) waits for
+    environment cannot import transformers (the GPU host's numpy-1.26 stub env: perf/RESULTS.md run 126) waits for
     the entry instead of resolving it. The child starts after the lock is taken, so it always waits."""
     monkeypatch.setenv(ENV, str(tmp_path))
     ckpt = checkpoints["eos"]

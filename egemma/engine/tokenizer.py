@@ -60,6 +60,15 @@ def _lock(entry: Path):
     return lock
 
 
+def _fill(path, entry: Path, lock) -> str:
+    """Under the held lock (released here): the entry, resolved and written unless another process has just done so."""
+    with lock:
+        if (text := _read(entry)) is None:
+            text = resolved_tokenizer_json(path)
+            write_atomic(entry, text)
+    return text
+
+
 def cached_tokenizer_json(path, resolve: bool = True) -> str | None:
     """resolved_tokenizer_json, from $EGEMMA_CACHE_DIR/tokenizer when it holds it (importing transformers alone
     takes seconds of every start); without $EGEMMA_CACHE_DIR, or with a cache that cannot be written, resolved each
@@ -72,27 +81,17 @@ def cached_tokenizer_json(path, resolve: bool = True) -> str | None:
         return text
     if unwritable(entry.parent):
         return resolved_tokenizer_json(path)
-    with _lock(entry):
-        if (text := _read(entry)) is None:
-            text = resolved_tokenizer_json(path)
-            write_atomic(entry, text)
-    return text
+    return _fill(path, entry, _lock(entry))
 
 
 def resolve_ahead(path) -> threading.Thread | None:
     """On a cache miss, resolve into the cache on a thread of this process, holding the cache's lock from before
     this returns: processes started next (the tokenizer model's instances) wait on it and read the entry, so they
     never import transformers themselves, which a stub's environment may not manage (numpy 1.26 against a host's
-    numpy-2 builds of scipy: perf/RESULTS.md run 125). None where there is nothing to do."""
+    numpy-2 builds of scipy: perf/RESULTS.md run 126). None where there is nothing to do."""
     if not os.environ.get(ENV) or _read(entry := _entry(path)) is not None or unwritable(entry.parent):
         return None
-    lock = _lock(entry)
-
-    def run():
-        with lock:
-            if _read(entry) is None:
-                write_atomic(entry, resolved_tokenizer_json(path))
-    t = threading.Thread(target=run, name="egemma-tokenizer-resolve", daemon=True)
+    t = threading.Thread(target=_fill, args=(path, entry, _lock(entry)), name="egemma-tokenizer-resolve", daemon=True)
     t.start()
     return t
 
@@ -116,10 +115,11 @@ class TextTokenizer:
                  threads: int | None = None):
         """tokenizer_json: a file written from `resolved_tokenizer_json` (the server's launcher writes one from its
         cache); where it is missing, it is taken from the cache (cached_tokenizer_json; on a cold cache the launcher
-        resolves it there while the models load: resolve_ahead) and written there, for the gateway. backend: "c" (kernels/bpe.c: the
-        same ids, several times faster), "tokenizers" (Hugging Face's), or "auto": c where it reproduces this
-        tokenizer and builds here, else tokenizers; the choice is logged. Asking for c where it cannot be is an
-        error. threads: the C tokenizer's pool beside the calling thread (default: one per other usable core)."""
+        resolves it there while the models load: resolve_ahead) and written there, for the gateway. backend: "c"
+        (kernels/bpe.c: the same ids, several times faster), "tokenizers" (Hugging Face's), or "auto": c where it
+        reproduces this tokenizer and builds here, else tokenizers; the choice is logged. Asking for c where it cannot
+        be is an error. threads: the C tokenizer's pool beside the calling thread (default: one per other usable
+        core)."""
         if backend not in TOKENIZER_BACKENDS:
             raise ValueError(f"tokenizer backend {backend!r}: choose from {TOKENIZER_BACKENDS}")
         self.cfg = cfg
