@@ -2,8 +2,12 @@
 """Generate an EmbeddingGemma-layout checkpoint with random weights (sentence-transformers layout:
 config.json, model.safetensors, tokenizer files, 1_Pooling/, 2_Dense/, 3_Dense/, modules.json, ...).
 
-  make_checkpoint.py DEST                 small model (6 layers, hidden 48, window +-16), trained tokenizer
-  make_checkpoint.py DEST --omit-eos      the same, with a tokenizer that adds BOS but not EOS
+  make_checkpoint.py DEST                 the demo (what scripts/serve.sh serves without a model): a small
+                                          backbone (6 layers, hidden 48, window +-16) with the real checkpoint's
+                                          answers' shapes: Dense 48 -> 3072 -> 768, so 768-dim embeddings and
+                                          Matryoshka sizes 768/512/256/128, the real prompts; trained tokenizer
+  make_checkpoint.py DEST --small         the tests' model: the same backbone with a 48-wide head (48 -> 192 -> 48)
+  make_checkpoint.py DEST --omit-eos      either, with a tokenizer that adds BOS but not EOS
   make_checkpoint.py DEST --full-size     the real checkpoint's layout: its shapes (24 layers, hidden 768, vocab
                                           262144), tensor names and dtypes (fp32, ~1.2 GB), the 2_Dense / 3_Dense
                                           folders and config_sentence_transformers.json with its prompts (checked
@@ -11,7 +15,8 @@ config.json, model.safetensors, tokenizer files, 1_Pooling/, 2_Dense/, 3_Dense/,
   make_checkpoint.py DEST --bare          no sentence-transformers files (a bare Gemma3 checkpoint)
 
 The tokenizer is a BPE trained here with `tokenizers` on generated text, with Gemma's special ids
-(pad 0, eos 1, bos 2, unk 3, mask 4). Deterministic for a given --seed."""
+(pad 0, eos 1, bos 2, unk 3, mask 4). Deterministic for a given --seed. Every checkpoint made here holds
+egemma.engine.config.DEMO_MARKER, which makes the server say in its answers and its log that it is a demo."""
 import argparse
 import json
 import random
@@ -24,7 +29,8 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 from egemma.engine import weights
-from egemma.engine.config import ModelConfig
+from egemma.engine.config import DEMO_MARKER, ModelConfig
+from egemma.ops.repository import demo_marker
 
 SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>"]  # Gemma's ids 0-4
 PROMPTS = {  # as in google/embeddinggemma-300m
@@ -38,6 +44,7 @@ PROMPTS = {  # as in google/embeddinggemma-300m
     "Summarization": "task: summarization | query: "}
 SMALL = dict(hidden_size=48, intermediate_size=96, num_hidden_layers=6, num_attention_heads=3,
              num_key_value_heads=1, head_dim=16, sliding_window=32, _sliding_window_pattern=3, vocab_size=1024)
+REAL_DENSE = (3072, 768)  # google/embeddinggemma-300m's projector: 768 -> 3072 -> 768
 FULL = dict(hidden_size=768, intermediate_size=1152, num_hidden_layers=24, num_attention_heads=3,
             num_key_value_heads=1, head_dim=256, sliding_window=512, _sliding_window_pattern=6, vocab_size=262144)
 
@@ -85,7 +92,10 @@ def write_tokenizer(dest: Path, tok: Tokenizer, omit_eos: bool):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("dest", type=Path)
-    ap.add_argument("--full-size", action="store_true", help="real EmbeddingGemma shapes")
+    size = ap.add_mutually_exclusive_group()
+    size.add_argument("--full-size", action="store_true", help="real EmbeddingGemma shapes")
+    size.add_argument("--small", action="store_true", help="a 48-wide head (the tests' model) in place of the "
+                                                           "demo's 768-wide one")
     ap.add_argument("--omit-eos", action="store_true", help="tokenizer config that does not append EOS")
     ap.add_argument("--bare", action="store_true", help="no sentence-transformers modules")
     ap.add_argument("--tokenizer-from", type=Path, metavar="DIR",
@@ -113,6 +123,7 @@ def main(argv=None):
     (a.dest / "config.json").write_text(json.dumps(config, indent=2))
 
     D = shape["hidden_size"]
+    inner, out = (4 * D, D) if a.small else REAL_DENSE
 
     def lin(o, i):  # random weights at a scale that keeps activations O(1) through the layers
         return torch.randn(o, i) / i ** 0.5
@@ -133,6 +144,7 @@ def main(argv=None):
             shutil.copy2(a.tokenizer_from / f, a.dest / f)
     else:
         write_tokenizer(a.dest, train_tokenizer(1024, not a.omit_eos, rng), a.omit_eos)
+    (a.dest / DEMO_MARKER).write_text(json.dumps(demo_marker(), indent=2))
     if a.bare:
         print(a.dest)
         return
@@ -153,7 +165,7 @@ def main(argv=None):
         "pooling_mode_max_tokens": False, "pooling_mode_mean_sqrt_len_tokens": False,
         "pooling_mode_weightedmean_tokens": False, "pooling_mode_lasttoken": False, "include_prompt": True},
         indent=2))
-    for sub, (i, o) in {"2_Dense": (D, 4 * D), "3_Dense": (4 * D, D)}.items():
+    for sub, (i, o) in {"2_Dense": (D, inner), "3_Dense": (inner, out)}.items():
         (a.dest / sub).mkdir()
         (a.dest / sub / "config.json").write_text(json.dumps({
             "in_features": i, "out_features": o, "bias": False,

@@ -33,15 +33,11 @@ echo "[setup] installing packages into $("$PY" -c 'import sys; print(sys.prefix)
 "$PY" -m pip install -q --disable-pip-version-check "${EGEMMA_TORCH:-torch==2.13.0}" \
   -e ".[${EXTRAS}]"
 "$PY" - <<'PY'
-from egemma.ops.repository import DEMO, ROOT
+from egemma.ops.repository import demo_checkpoint
 from egemma.ops.tritonserver import find_tritonserver
-import subprocess, sys
 binary, backends = find_tritonserver()
 print(f"[setup] tritonserver: {binary}\n[setup] backends:     {backends}")
-if not (DEMO / "model.safetensors").exists():
-    subprocess.run([sys.executable, str(ROOT / "scripts/make_checkpoint.py"), str(DEMO)], check=True,
-                   stdout=subprocess.DEVNULL)
-print(f"[setup] demo checkpoint (random weights): {DEMO}")
+print(f"[setup] demo checkpoint (random weights): {demo_checkpoint()}")
 PY
 # checkov, the manifest tests' security scanner, in a venv of its own: its pins clash with the test environment's.
 CHECKOV=checkov==3.3.30

@@ -56,7 +56,7 @@ class Servers:
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
     d = tmp_path_factory.mktemp("checkpoints")
     out = {}
-    for name, flags in {"eos": [], "noeos": ["--omit-eos"], "bare": ["--bare"]}.items():
+    for name, flags in {"eos": ["--small"], "noeos": ["--small", "--omit-eos"], "bare": ["--small", "--bare"]}.items():
         subprocess.run([sys.executable, str(ROOT / "scripts/make_checkpoint.py"), str(d / name), *flags],
                        check=True, stdout=subprocess.DEVNULL)
         out[name] = d / name
@@ -67,7 +67,9 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
 def real_checkpoint() -> Path:
     p = os.environ.get("EMBEDDINGGEMMA_PATH")
     if not p:
-        pytest.skip("EMBEDDINGGEMMA_PATH not set (CI sets it with ../shared/models/fetch-embeddinggemma.sh)")
+        pytest.skip("EMBEDDINGGEMMA_PATH not set: get the real checkpoint with `huggingface-cli download "
+                    "google/embeddinggemma-300m --local-dir DIR` (gated: accept its license, then log in or set "
+                    "HF_TOKEN), then EMBEDDINGGEMMA_PATH=DIR")
     return Path(p)
 
 

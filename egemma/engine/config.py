@@ -7,6 +7,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 
+# A file in every checkpoint scripts/make_checkpoint.py generates (random weights): the server says it serves a demo
+# in its log and in its answers (/info, /v1/models).
+DEMO_MARKER = "egemma-demo.json"
+
+
 class CheckpointError(ValueError):
     """The checkpoint directory is unusable; the message names the file or weight at fault."""
 
@@ -53,6 +58,7 @@ class ModelConfig:
     normalize: bool = False
     prompts: dict[str, str] = field(default_factory=dict)
     default_prompt_name: str | None = None
+    demo: bool = False  # a generated checkpoint with random weights (DEMO_MARKER)
 
     @property
     def out_dim(self) -> int:
@@ -97,7 +103,7 @@ class ModelConfig:
             rope_base_local=float(base_local), rope_base_global=float(base_global),
             max_positions=max_pos, max_seq_length=min(st.pop("max_seq_length", max_pos), max_pos),
             bos_id=c.get("bos_token_id", 2), eos_id=c.get("eos_token_id", 1), pad_id=c.get("pad_token_id", 0),
-            **st)
+            demo=(path / DEMO_MARKER).is_file(), **st)
 
 
 def _sentence_transformers_modules(path: Path) -> dict:

@@ -187,8 +187,10 @@ def read_key(path: str | None) -> bytes | None:
     return key
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parser() -> argparse.ArgumentParser:
+    """The gateway's flags (the launcher passes them; docs/configuration.md lists each, tests/test_docs.py checks)."""
+    ap = argparse.ArgumentParser(prog="python -m egemma.gateway.app", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, action="append", required=True, help="a port to serve on (repeatable)")
     ap.add_argument("--triton-http", required=True, help="host:port of Triton's own HTTP")
@@ -207,7 +209,11 @@ def main(argv=None):
                                            "(Authorization: Bearer KEY; KServe also api-key: KEY)")
     ap.add_argument("--exit-with-parent", type=int, metavar="PID",
                     help="exit when process PID (the launcher, our parent) dies, even by SIGKILL")
-    a = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None):
+    a = parser().parse_args(argv)
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # until serve() handles it: a drain must never kill a worker
     if a.exit_with_parent:
         exit_with_parent(a.exit_with_parent)

@@ -111,19 +111,21 @@ async def _embed_ids(app, rows: list[list[int]], params: dict) -> tuple[np.ndarr
     return await calls.embed_ids(app[GW], seqs, params), np.array([len(s) for s in seqs])
 
 
-def _model(gw, name: str) -> dict:
-    return {"id": name, "object": "model", "created": _CREATED, "owned_by": "egemma", "root": gw.model_name}
+def _model(gw, name: str, demo: bool) -> dict:
+    """OpenAI's Model object; `demo` (ours): true on a generated checkpoint with random weights."""
+    return {"id": name, "object": "model", "created": _CREATED, "owned_by": "egemma", "root": gw.model_name,
+            "demo": demo}
 
 
 async def models(request: web.Request) -> web.Response:
-    gw = request.app[GW]
-    return json_response({"object": "list", "data": [_model(gw, n) for n in (gw.model_name, *gw.aliases)]})
+    gw, demo = request.app[GW], (await calls.facts(request.app)).cfg.demo
+    return json_response({"object": "list", "data": [_model(gw, n, demo) for n in (gw.model_name, *gw.aliases)]})
 
 
 async def model(request: web.Request) -> web.Response:
     gw, name = request.app[GW], request.match_info["id"]
     check_model(gw, name)
-    return json_response(_model(gw, name))
+    return json_response(_model(gw, name, (await calls.facts(request.app)).cfg.demo))
 
 
 ROUTES = [("POST", "/v1/embeddings", embeddings), ("GET", "/v1/models", models),

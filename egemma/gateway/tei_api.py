@@ -159,7 +159,8 @@ async def info(request: web.Request) -> web.Response:
         "max_concurrent_requests": 0, "max_input_length": f.cfg.max_seq_length,
         "max_batch_tokens": int(f.encoder_params.get("max_tokens") or 0), "max_batch_requests": f.encoder_max_batch,
         "max_client_batch_size": calls.MAX_INPUTS, "auto_truncate": True,
-        "tokenization_workers": f.tokenizer_instances, "version": version, "sha": None, "docker_label": None})
+        "tokenization_workers": f.tokenizer_instances, "version": version, "sha": None, "docker_label": None,
+        "demo": f.cfg.demo})  # ours: true on a generated checkpoint with random weights
 
 
 async def health_route(request: web.Request) -> web.Response:

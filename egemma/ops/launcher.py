@@ -1,13 +1,7 @@
 """Start the real `tritonserver` on this repository's model_repository for a given checkpoint.
 
-  python -m egemma.ops.launcher [--model DIR] [--host 127.0.0.1] [--http-port 8000] [--grpc-port 8001]
-                          [--metrics-port 8002] [--gpus all|0,1,...] [--admin-key KEY] [--exit-timeout-secs 30]
-                          [--api-key KEY | --api-key-file PATH]
-                          [--no-watchdog] [--watchdog-max-busy 120] [--cache-dir ~/.cache/egemma]
-                          [--response-cache-mb 0]
-                          [--openai-port 8080] [--max-request-bytes 3145728] [--gateway-workers K]
-                          [--served-model-name google/embeddinggemma-300m] [--alias NAME ...]
-                          [--param KEY=VALUE ...] [--instances MODEL=N ...]
+  scripts/serve.sh [FLAG ...]   (or egemma-serve, python -m egemma.ops.launcher); --help lists the flags by group,
+  docs/configuration.md has each with its default.
 
 The model repository is rendered into a run directory with the checkpoint path written into the configs
 (the source tree is never modified), the server is started with this Python environment first on PATH (the
@@ -52,62 +46,86 @@ from egemma.engine.cpus import usable_cores
 from egemma.ops import cachedir
 from egemma.ops.host import parse_gpus, visible_gpus
 from egemma.ops.procfs import Cancelled, connections_to
+from egemma.engine.config import ModelConfig
 from egemma.ops.repository import ROOT, resolve_checkpoint
 from egemma.ops.front import Front
-from egemma.ops.tritonserver import ADMIN_APIS, ADMIN_HEADER, API_HEADER, TritonServer, free_port
+from egemma.ops.tritonserver import ADMIN_APIS, ADMIN_HEADER, API_HEADER, TritonServer, free_port, gpu_host
 from egemma.gateway.app import DEFAULT_MAX_BODY, read_key
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", help="checkpoint directory or hub id such as google/embeddinggemma-300m (gated: "
-                                    "set HF_TOKEN) (default: $EMBEDDINGGEMMA_PATH, then the HF hub)")
-    ap.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
-    ap.add_argument("--http-port", type=int, default=8000)
-    ap.add_argument("--grpc-port", type=int, default=8001)
-    ap.add_argument("--metrics-port", type=int, default=8002)
-    ap.add_argument("--run-dir", type=Path, default=ROOT / ".run", help="where the rendered repository goes")
-    ap.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
-                    help="model parameter, e.g. attention_backend=fa2 (repeatable)")
-    ap.add_argument("--instances", action="append", default=[], metavar="MODEL=N",
-                    help="instance count of a model, e.g. embeddinggemma_encoder=2, per GPU for the encoder "
-                         "(repeatable; default: encoder 3 per GPU and tokenizer one per 4 cores, at most 4 per GPU, "
-                         "on a GPU host; encoder 1 / tokenizer 2 without a GPU)")
-    ap.add_argument("--gpus", default="all", help="GPUs to place encoder instances on: 'all' visible ones (default; "
-                                                  "none on a CPU host) or device ids such as 0,1")
-    ap.add_argument("--admin-key", default=os.environ.get("EGEMMA_ADMIN_KEY"),
-                    help=f"value of the '{ADMIN_HEADER}' header that the {ADMIN_APIS} APIs require "
-                         "(default: $EGEMMA_ADMIN_KEY, else random, printed at start)")
-    key_arg = ap.add_mutually_exclusive_group()
+def prog() -> str:
+    """The command the user typed: scripts/serve.sh sets EGEMMA_PROG; the console script is egemma-serve."""
+    name = os.environ.get("EGEMMA_PROG") or Path(sys.argv[0]).name
+    return "python -m egemma.ops.launcher" if name in ("launcher.py", "__main__.py", "-c") else name
+
+
+def parser() -> argparse.ArgumentParser:
+    """Every flag of the launcher, in groups; docs/configuration.md's table lists each (tests/test_docs.py)."""
+    ap = argparse.ArgumentParser(
+        prog=prog(), formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Serve google/embeddinggemma-300m on Triton: KServe v2 (HTTP, gRPC), OpenAI and TEI routes.\n"
+                    "Without --model: $EMBEDDINGGEMMA_PATH, else the Hugging Face cache/hub, else a demo checkpoint "
+                    "with random weights.",
+        epilog="Every flag, its default and the environment variables: docs/configuration.md. Operations (stop, cache, "
+               "watchdog, API key): docs/operations.md.")
+    g = ap.add_argument_group("model")
+    g.add_argument("--model", help="checkpoint directory or hub id such as google/embeddinggemma-300m (gated: set "
+                                   "HF_TOKEN) (default: $EMBEDDINGGEMMA_PATH, then the HF cache/hub, then the demo)")
+    g.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
+                   help="model parameter, e.g. attention_backend=fa2 (repeatable; docs/configuration.md)")
+    g.add_argument("--instances", action="append", default=[], metavar="MODEL=N",
+                   help="instance count of a model, e.g. embeddinggemma_encoder=2, per GPU for the encoder "
+                        "(repeatable; default: encoder 3 per GPU and tokenizer one per 4 cores, at most 4 per GPU, "
+                        "on a GPU host; encoder 1 / tokenizer 2 without a GPU)")
+    g.add_argument("--gpus", default="all", help="GPUs to place encoder instances on: 'all' visible ones (default; "
+                                                 "none on a CPU host) or device ids such as 0,1")
+    g.add_argument("--response-cache-mb", type=int, default=0, metavar="MB",
+                   help="Triton's response cache for the encoder, that many MiB (default 0: off; docs/api.md)")
+    g.add_argument("--cache-dir", type=Path, default=cache_dir(),
+                   help="what a later start reuses: Triton-lang's kernels, the tuning file, the fused weights "
+                        "(default: $EGEMMA_CACHE_DIR, else ~/.cache/egemma); unwritable: served without caching")
+    g = ap.add_argument_group("network")
+    g.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: loopback only)")
+    g.add_argument("--http-port", type=int, default=8000, help="the HTTP gateway: KServe v2, OpenAI, TEI (default 8000)")
+    g.add_argument("--grpc-port", type=int, default=8001, help="Triton's gRPC (default 8001)")
+    g.add_argument("--metrics-port", type=int, default=8002, help="Triton's Prometheus metrics (default 8002)")
+    g.add_argument("--openai-port", type=int, help="a second port of the gateway (OpenAI, TEI and KServe routes)")
+    g.add_argument("--triton-http-port", type=int, default=0,
+                   help="Triton's own HTTP port, on 127.0.0.1 behind the gateway (default: a free one)")
+    g = ap.add_argument_group("gateway (HTTP)")
+    g.add_argument("--served-model-name", default="google/embeddinggemma-300m",
+                   help="the model name the OpenAI and TEI routes answer to and report")
+    g.add_argument("--alias", action="append", default=[], metavar="NAME",
+                   help="another model name the OpenAI route accepts (repeatable)")
+    g.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_BODY,
+                   help=f"largest HTTP request body (default {DEFAULT_MAX_BODY}: Triton 2.51's HTTP crashes at "
+                        "4 MiB); larger batches go over gRPC")
+    g.add_argument("--gateway-workers", type=int, default=max(1, min(4, usable_cores() // 4)),
+                   help="gateway processes (default: a quarter of the usable cores, a pod's CPU quota included; "
+                        "1 to 4)")
+    g = ap.add_argument_group("security")
+    g.add_argument("--admin-key", default=os.environ.get("EGEMMA_ADMIN_KEY"),
+                   help=f"value of the '{ADMIN_HEADER}' header that the {ADMIN_APIS} APIs require "
+                        "(default: $EGEMMA_ADMIN_KEY, else random, printed at start)")
+    key_arg = g.add_mutually_exclusive_group()
     key_arg.add_argument("--api-key", help="the key inference requires on every port (default: none, open)")
     key_arg.add_argument("--api-key-file", type=Path, help="a file holding it (e.g. a mounted k8s Secret)")
-    ap.add_argument("--exit-timeout-secs", type=int, default=30,
-                    help="on SIGTERM, how long in-flight requests may take to finish (default 30)")
-    ap.add_argument("--response-cache-mb", type=int, default=0, metavar="MB",
-                    help="Triton's response cache for the encoder, that many MiB (default 0: off; README, 'One text, "
-                         "one vector')")
-    ap.add_argument("--openai-port", type=int, help="a second port of the gateway (OpenAI, TEI and KServe routes)")
-    ap.add_argument("--served-model-name", default="google/embeddinggemma-300m",
-                    help="the model name the OpenAI and TEI routes answer to and report")
-    ap.add_argument("--alias", action="append", default=[], metavar="NAME",
-                    help="another model name the OpenAI route accepts (repeatable)")
-    ap.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_BODY,
-                    help=f"largest HTTP request body (default {DEFAULT_MAX_BODY}: Triton 2.51's HTTP crashes at "
-                         "4 MiB); larger batches go over gRPC")
-    ap.add_argument("--gateway-workers", type=int, default=max(1, min(4, usable_cores() // 4)),
-                    help="gateway processes (default: a quarter of the usable cores, a pod's CPU quota included; "
-                         "1 to 4)")
-    ap.add_argument("--triton-http-port", type=int, default=0,
-                    help="Triton's own HTTP port, on 127.0.0.1 behind the gateway (default: a free one)")
-    ap.add_argument("--watchdog", action=argparse.BooleanOptionalAction, default=True,
-                    help="restart the server when a canary inference fails or a model process dies (default on)")
-    ap.add_argument("--watchdog-max-busy", type=float, default=120.0, metavar="SECONDS",
-                    help="restart when one model instance is busy in one execute for this long (scaled up for "
-                         "batches over 131072 tokens), or canaries time out while the server is busy and no request "
-                         "completes for this long: a model is spinning (default 120)")
-    ap.add_argument("--cache-dir", type=Path, default=cache_dir(),
-                    help="what a later start reuses: Triton-lang's kernels, the tuning file, the fused weights "
-                         "(default: $EGEMMA_CACHE_DIR, else ~/.cache/egemma); unwritable: served without caching")
+    g = ap.add_argument_group("lifecycle")
+    g.add_argument("--run-dir", type=Path, default=ROOT / ".run",
+                   help="where the rendered repository, logs of state and the watchdog's verdict go (default .run)")
+    g.add_argument("--exit-timeout-secs", type=int, default=30,
+                   help="on SIGTERM, how long in-flight requests may take to finish (default 30)")
+    g.add_argument("--watchdog", action=argparse.BooleanOptionalAction, default=True,
+                   help="restart the server when a canary inference fails or a model process dies (default on)")
+    g.add_argument("--watchdog-max-busy", type=float, default=120.0, metavar="SECONDS",
+                   help="restart when one model instance is busy in one execute for this long (scaled up for "
+                        "batches over 131072 tokens), or canaries time out while the server is busy and no request "
+                        "completes for this long: a model is spinning (default 120)")
+    return ap
+
+
+def main(argv=None):
+    ap = parser()
     a = ap.parse_args(argv)
     # The handler only flags (set before anything starts, so an early signal is not lost): a first SIGTERM /
     # SIGINT stops (cancelling a boot), a second hurries the stop; the main thread does the waiting.
@@ -122,6 +140,12 @@ def main(argv=None):
     except ValueError as e:
         ap.error(str(e))
     ckpt = resolve_checkpoint(a.model)
+    demo = ModelConfig.load(ckpt).demo
+    if demo:
+        print(f"DEMO: {ckpt} is a generated checkpoint with random weights: the answers have the real shapes, the "
+              "embeddings mean nothing", file=sys.stderr, flush=True)
+    if not gpu_host():  # Triton gets CPU_ARGS (egemma.ops.tritonserver): no CUDA, NVML or DCGM probes
+        print("no GPU: serving on CPU", flush=True)
     params = dict(p.split("=", 1) for p in a.param)
     instances = {m: int(n) for m, n in (p.split("=", 1) for p in a.instances)}
     key = a.admin_key or secrets.token_urlsafe(16)
@@ -165,8 +189,10 @@ def main(argv=None):
             sys.exit(0)
         raise
     cachedir.seal(a.cache_dir)
+    demo_banner = "\n  DEMO    random weights: the embeddings mean nothing (docs/operations.md, 'The real checkpoint')" \
+        if demo else ""
     print(f"""
-ready: model 'embeddinggemma' (checkpoint {ckpt})
+ready: model 'embeddinggemma' (checkpoint {ckpt}){demo_banner}
   HTTP    http://{h}:{a.http_port}  (gateway: KServe v2, OpenAI, TEI; bodies up to {a.max_request_bytes} bytes)
   gRPC    {h}:{a.grpc_port}
   metrics http://{h}:{a.metrics_port}/metrics

@@ -3,12 +3,15 @@ $EMBEDDINGGEMMA_PATH, the hub, or a loud random demo), and model_repository/ ren
 parameters, instance counts and GPU placement written into its configs (the source tree is never modified)."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+from egemma.engine.config import DEMO_MARKER
 
 ROOT = Path(__file__).resolve().parents[2]
 REPO = ROOT / "model_repository"
@@ -70,9 +73,29 @@ def resolve_checkpoint(model: str | None) -> Path:
         why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     print(f"\n*** WARNING: {HUB_MODEL} is not available ({why}).\n"
           f"*** Serving a DEMO checkpoint with RANDOM weights from {DEMO}; its embeddings mean nothing.\n"
-          "*** Pass --model DIR (or a hub id with HF_TOKEN set) or set EMBEDDINGGEMMA_PATH for real embeddings.\n",
-          file=sys.stderr)
-    if not (DEMO / "model.safetensors").exists():
+          f"*** {GET_REAL}\n", file=sys.stderr)
+    return demo_checkpoint()
+
+
+GET_REAL = (f"For real embeddings: `huggingface-cli download {HUB_MODEL}` (a gated model: accept its license on "
+            f"https://huggingface.co/{HUB_MODEL} and `huggingface-cli login` or set HF_TOKEN first), or pass --model "
+            "DIR (or set EMBEDDINGGEMMA_PATH=DIR) for a local copy.")
+
+
+def demo_marker() -> dict:
+    """What scripts/make_checkpoint.py writes into DEMO_MARKER; its version changes with the demo's shapes, so that
+    an older generated demo is made again."""
+    return {"demo": True, "weights": "random", "made_by": "scripts/make_checkpoint.py", "version": 2,
+            "note": "its embeddings mean nothing; " + GET_REAL}
+
+
+def demo_checkpoint() -> Path:
+    """The generated demo checkpoint (DEMO), made when absent or older than this version of the generator."""
+    try:
+        current = json.loads((DEMO / DEMO_MARKER).read_text()) == demo_marker()
+    except (OSError, ValueError):
+        current = False
+    if not current or not (DEMO / "model.safetensors").exists():
         subprocess.run([sys.executable, str(ROOT / "scripts" / "make_checkpoint.py"), str(DEMO)], check=True,
                        stdout=subprocess.DEVNULL)
     return DEMO

@@ -42,6 +42,12 @@ CPU_INSTANCES = {"embeddinggemma_encoder": 1, "embeddinggemma_tokenizer": 2}
 # CPU an idle server with 3 tokenizer instances took 4.9 s to exit (2.9 s with 1), so 2 s is out of reach that way.
 # stop() ends the server's group there instead (no stub has anything to finalize; kill() removes what they leave).
 DRAINED = b"All models are stopped, unloading models"
+# Without a GPU: no pinned-memory pool, CUDA memory pool or GPU metrics, so Triton neither probes CUDA for them nor
+# NVML / DCGM, nor logs their failures. On a GPU host nothing changes.
+CPU_ARGS = ("--pinned-memory-pool-byte-size=0", "--cuda-memory-pool-byte-size=0:0", "--allow-gpu-metrics=false")
+# What no flag stops on a host without a GPU: Triton 2.51 creates its CUDA block manager and a CUDA stream per
+# ensemble unconditionally and logs each failure as an error. Dropped from the log there; CPU_ARGS quiet the rest.
+CPU_NOISE = (b'"CudaDriverHelper has not been initialized."', b'"unable to create stream for ')
 
 
 def gpu_host() -> bool:
@@ -152,6 +158,7 @@ class TritonServer:
                     *([f"--http-restricted-api=inference:{API_HEADER}={api_key}",
                        f"--grpc-restricted-protocol=inference:{API_HEADER}={api_key}"] if api_key else []),
                     f"--exit-timeout-secs={exit_timeout_secs}", shm.prefix_arg(self.shm_prefix),
+                    *(() if gpu_host() else CPU_ARGS),
                     *(self._cache_args(response_cache_mb, Path(backends).parent) if response_cache_mb > 0 else []),
                     *extra_args]
         env = {**os.environ, HEARTBEAT_DIR: str(self.heartbeat_dir)}
@@ -179,9 +186,12 @@ class TritonServer:
     def _pump(self):
         """Triton's output (its stubs' too) on to log_file (default: this process's stdout), watched for DRAINED."""
         sink = self.log_file or sys.stdout
+        noise = () if gpu_host() else CPU_NOISE
         for line in iter(self.proc.stdout.readline, b""):
             if DRAINED in line:
                 self.drained.set()
+            if any(n in line for n in noise):
+                continue
             try:
                 sink.write(line.decode(errors="replace") if hasattr(sink, "encoding") else line)
                 sink.flush()
