@@ -69,7 +69,7 @@ def parser() -> argparse.ArgumentParser:
         epilog="Every flag, its default and the environment variables: docs/configuration.md. Operations (stop, cache, "
                "watchdog, API key): docs/operations.md.")
     g = ap.add_argument_group("model")
-    g.add_argument("--model", help="checkpoint directory or hub id such as google/embeddinggemma-300m (gated: set "
+    g.add_argument("--model", metavar="DIR|HUB_ID", help="checkpoint directory or hub id such as google/embeddinggemma-300m (gated: set "
                                    "HF_TOKEN) (default: $EMBEDDINGGEMMA_PATH, then the HF cache/hub, then the demo)")
     g.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
                    help="model parameter, e.g. attention_backend=fa2 (repeatable; docs/configuration.md)")
@@ -77,43 +77,44 @@ def parser() -> argparse.ArgumentParser:
                    help="instance count of a model, e.g. embeddinggemma_encoder=2, per GPU for the encoder "
                         "(repeatable; default: encoder 3 per GPU and tokenizer one per 4 cores, at most 4 per GPU, "
                         "on a GPU host; encoder 1 / tokenizer 2 without a GPU)")
-    g.add_argument("--gpus", default="all", help="GPUs to place encoder instances on: 'all' visible ones (default; "
+    g.add_argument("--gpus", default="all", metavar="all|IDS", help="GPUs to place encoder instances on: 'all' visible ones (default; "
                                                  "none on a CPU host) or device ids such as 0,1")
     g.add_argument("--response-cache-mb", type=int, default=0, metavar="MB",
                    help="Triton's response cache for the encoder, that many MiB (default 0: off; docs/api.md)")
-    g.add_argument("--cache-dir", type=Path, default=cache_dir(),
+    g.add_argument("--cache-dir", type=Path, default=cache_dir(), metavar="DIR",
                    help="what a later start reuses: Triton-lang's kernels, the tuning file, the fused weights "
                         "(default: $EGEMMA_CACHE_DIR, else ~/.cache/egemma); unwritable: served without caching")
     g = ap.add_argument_group("network")
-    g.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: loopback only)")
-    g.add_argument("--http-port", type=int, default=8000, help="the HTTP gateway: KServe v2, OpenAI, TEI (default 8000)")
-    g.add_argument("--grpc-port", type=int, default=8001, help="Triton's gRPC (default 8001)")
-    g.add_argument("--metrics-port", type=int, default=8002, help="Triton's Prometheus metrics (default 8002)")
-    g.add_argument("--openai-port", type=int, help="a second port of the gateway (OpenAI, TEI and KServe routes)")
-    g.add_argument("--triton-http-port", type=int, default=0,
+    g.add_argument("--host", default="127.0.0.1", metavar="ADDR", help="bind address (default 127.0.0.1: loopback only)")
+    g.add_argument("--http-port", type=int, default=8000, metavar="N", help="the HTTP gateway: KServe v2, OpenAI, TEI (default 8000)")
+    g.add_argument("--grpc-port", type=int, default=8001, metavar="N", help="Triton's gRPC (default 8001)")
+    g.add_argument("--metrics-port", type=int, default=8002, metavar="N", help="Triton's Prometheus metrics (default 8002)")
+    g.add_argument("--openai-port", type=int, metavar="N", help="a second port of the gateway (OpenAI, TEI and KServe routes)")
+    g.add_argument("--triton-http-port", type=int, default=0, metavar="N",
                    help="Triton's own HTTP port, on 127.0.0.1 behind the gateway (default: a free one)")
     g = ap.add_argument_group("gateway (HTTP)")
-    g.add_argument("--served-model-name", default="google/embeddinggemma-300m",
+    g.add_argument("--served-model-name", default="google/embeddinggemma-300m", metavar="NAME",
                    help="the model name the OpenAI and TEI routes answer to and report")
     g.add_argument("--alias", action="append", default=[], metavar="NAME",
                    help="another model name the OpenAI route accepts (repeatable)")
-    g.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_BODY,
+    g.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_BODY, metavar="BYTES",
                    help=f"largest HTTP request body (default {DEFAULT_MAX_BODY}: Triton 2.51's HTTP crashes at "
                         "4 MiB); larger batches go over gRPC")
-    g.add_argument("--gateway-workers", type=int, default=max(1, min(4, usable_cores() // 4)),
+    g.add_argument("--gateway-workers", type=int, default=max(1, min(4, usable_cores() // 4)), metavar="K",
                    help="gateway processes (default: a quarter of the usable cores, a pod's CPU quota included; "
                         "1 to 4)")
     g = ap.add_argument_group("security")
-    g.add_argument("--admin-key", default=os.environ.get("EGEMMA_ADMIN_KEY"),
+    g.add_argument("--admin-key", default=os.environ.get("EGEMMA_ADMIN_KEY"), metavar="KEY",
                    help=f"value of the '{ADMIN_HEADER}' header that the {ADMIN_APIS} APIs require "
                         "(default: $EGEMMA_ADMIN_KEY, else random, printed at start)")
     key_arg = g.add_mutually_exclusive_group()
-    key_arg.add_argument("--api-key", help="the key inference requires on every port (default: none, open)")
-    key_arg.add_argument("--api-key-file", type=Path, help="a file holding it (e.g. a mounted k8s Secret)")
+    key_arg.add_argument("--api-key", metavar="KEY", help="the key inference requires on every port (default: none, open)")
+    key_arg.add_argument("--api-key-file", type=Path, metavar="PATH", help="a file holding it (e.g. a mounted k8s Secret)")
     g = ap.add_argument_group("lifecycle")
-    g.add_argument("--run-dir", type=Path, default=ROOT / ".run",
-                   help="where the rendered repository, logs of state and the watchdog's verdict go (default .run)")
-    g.add_argument("--exit-timeout-secs", type=int, default=30,
+    g.add_argument("--run-dir", type=Path, default=ROOT / ".run", metavar="DIR",
+                   help="where the rendered repository, the server's state and the watchdog's verdict go "
+                        "(default: .run in the repository)")
+    g.add_argument("--exit-timeout-secs", type=int, default=30, metavar="SECONDS",
                    help="on SIGTERM, how long in-flight requests may take to finish (default 30)")
     g.add_argument("--watchdog", action=argparse.BooleanOptionalAction, default=True,
                    help="restart the server when a canary inference fails or a model process dies (default on)")
