@@ -37,9 +37,9 @@ def single(url: str, texts: list[str], **params) -> tuple[np.ndarray, np.ndarray
 
 @pytest.fixture(scope="module")
 def corpus(server):
-    """N texts of 0-40 words with unicode and literal special tokens (no newline: the text format is a line per
-    document), ids doc-0.., and each text's single-request embedding."""
-    texts = [t.replace("\n", " ") for t in make_texts(N, 40, seed=35)]
+    """N texts of up to 40 words with unicode and literal special tokens (no newline: the text format is a line per
+    document; none empty: an empty text is a bad row), ids doc-0.., and each text's single-request embedding."""
+    texts = [t.replace("\n", " ") or f"text {k}" for k, t in enumerate(make_texts(N, 40, seed=35))]
     vecs, toks = single(server.grpc_url, texts)
     return texts, [f"doc-{k}" for k in range(N)], vecs, toks
 
@@ -89,9 +89,9 @@ def test_every_format_embeds_every_row_in_order(server, corpus, tmp_path, fmt):
         subprocess.run(["gzip", str(plain)], check=True)  # read through pyarrow's decompression
     elif fmt == "text":  # a blank line is no document
         src, args, ids = tmp_path / "in.txt", ["--batch", 7, "--inflight", 3], None
-        src.write_text("\n".join(texts) + "\n", encoding="utf-8")
-        idx = np.array([k for k, t in enumerate(texts) if t.strip(" \t")])
-        lines = (idx + 1).tolist()
+        body = [x for k, t in enumerate(texts) for x in ([" \t", ""] if k in (2, 5) else []) + [t]]
+        src.write_text("\n".join(body) + "\n", encoding="utf-8")
+        lines = [n for n, x in enumerate(body, 1) if x.strip(" \t")]
     else:
         src, args = tmp_path / "in.parquet", ["--column", "body", "--id-field", "key", "--batch", 64]
         pq.write_table(pa.table({"key": ids, "body": texts}), src, row_group_size=50)
@@ -245,3 +245,86 @@ def test_the_server_killed_mid_run_is_retried_until_the_watchdog_restarted_it(st
     s = json.loads((tmp_path / "s.json").read_text())
     assert s["retries"] >= 1 and s["rows"] == N, s
     check(out, np.arange(N), lines, ids, vecs, toks)
+
+
+def test_an_empty_text_is_a_bad_row_as_the_http_routes_refuse_it(server, corpus, tmp_path):
+    """One rule with the OpenAI and TEI routes, which answer "" with a 400: reported, never embedded."""
+    texts, ids, vecs, toks = corpus
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.parquet"
+    src.write_text("\n".join(json.dumps({"id": i, "text": t}) for i, t in
+                             [(ids[0], texts[0]), ("empty", ""), (ids[1], texts[1])]) + "\n")
+    r = embed(src, "-o", out, "--url", server.grpc_url, "--id-field", "id")
+    assert r.returncode == 1, r.stderr
+    errors = [json.loads(x) for x in (tmp_path / "out.parquet.errors.jsonl").read_text().splitlines()]
+    assert errors == [{"line": 2, "id": "empty", "reason": "text is empty"}]
+    check(out, np.arange(2), [1, 3], ids[:2], vecs, toks)
+
+
+class SignalAtEnd:
+    """stdin whose end, when the reader reaches it, sends this process SIGTERM: the signal comes once every row
+    was read and sent (the rows fill whole batches), before their answers are in."""
+
+    def __init__(self, data: bytes):
+        self.data, self.closed = data, False
+
+    def read(self, n=-1) -> bytes:
+        if not self.data:
+            os.kill(os.getpid(), signal.SIGTERM)
+            return b""
+        chunk, self.data = (self.data, b"") if n is None or n < 0 else (self.data[:n], self.data[n:])
+        return chunk
+
+
+def test_a_signal_after_every_row_was_sent_finishes_the_output(server, corpus, tmp_path, monkeypatch, capsys):
+    """SIGTERM once every row is in flight: nothing is unfinished, so the output is finished and the exit code is
+    0, not 4 with "run again to resume"."""
+    import asyncio
+    import types
+    from egemma.client.embed import embed as run_embed, parse_args
+    texts, ids, vecs, toks = corpus
+    data = "".join(json.dumps({"id": i, "text": t}) + "\n" for i, t in zip(ids[:16], texts[:16])).encode()
+    monkeypatch.setattr(sys, "stdin", types.SimpleNamespace(buffer=SignalAtEnd(data)))
+    out = tmp_path / "out.parquet"
+    a = parse_args(["-", "--format", "jsonl", "-o", str(out), "--url", server.grpc_url, "--id-field", "id",
+                    "--batch", "4", "--inflight", "4", "--progress", "none"])
+    code = asyncio.run(run_embed(a))
+    err = capsys.readouterr().err
+    assert code == 0 and "every row was sent and answered" in err and "resume" not in err, (code, err)
+    check(out, np.arange(16), range(1, 17), ids[:16], vecs, toks)
+
+
+def test_progress_in_a_terminal_without_a_window_size(server, corpus, tmp_path):
+    """A pty nobody sized (0 x 0, as under some CI runners and `script`) still shows the bar."""
+    import pty
+    texts, ids, _, _ = corpus
+    src = tmp_path / "in.jsonl"
+    write_jsonl(src, texts[:40], ids[:40])
+    m, s = pty.openpty()
+    p = subprocess.Popen([str(EMBED), str(src), "-o", str(tmp_path / "out.parquet"), "--url", server.grpc_url],
+                         stdin=s, stdout=s, stderr=s, close_fds=True)
+    os.close(s)
+    shown = b""
+    while chunk := _read(m):
+        shown += chunk
+    assert p.wait(120) == 0
+    assert b"100%|" in shown and b"40/" in shown.replace(b"40.0/", b"40/") or b"100%" in shown, shown[-500:]
+
+
+def _read(fd: int) -> bytes:
+    try:
+        return os.read(fd, 65536)
+    except OSError:  # the other end closed: EIO
+        return b""
+
+
+def test_the_eta_is_measured_on_answers_not_on_the_start(monkeypatch):
+    """A slow start (probe, connections, the server's first batches) must not inflate the first ETA."""
+    from egemma.client import progress
+    now = [1000.0]
+    monkeypatch.setattr(progress.time, "monotonic", lambda: now[0])
+    p = progress.Progress("log", total=1000, unit="B", start=0)
+    now[0] += 60  # a minute before the first answer
+    for pos in (100, 200, 300):
+        p.update(pos, 10, 100, 0, 0)
+        now[0] += 1
+    assert p.eta() == ", ETA 0 min 07 s", p.eta()  # 700 B left at 100 B/s; from the start it would say 2 min 33 s

@@ -59,6 +59,8 @@ def check_text(value, max_bytes: int | None) -> tuple[bytes | None, str | None]:
             return None, f"text is not valid UTF-8 (byte {e.start})"
     else:
         return None, "text is null" if value is None else f"text is a {type(value).__name__}, not a string"
+    if not raw:  # one rule with the server's OpenAI and TEI routes, which refuse "" with a 400
+        return None, "text is empty"
     if max_bytes is not None and len(raw) > max_bytes:
         return None, f"text has {len(raw)} bytes, over the server's max_text_bytes ({max_bytes})"
     return raw, None

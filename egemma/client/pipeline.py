@@ -128,6 +128,7 @@ async def pipeline(run: Run, rows, position, size: int, inflight: int):
         await run.settle(2)
         return run.stop_code != FAILED
 
+    read_all = False
     for batch, pos in batches(rows, size, position):
         await slots.acquire()
         if run.stop_code is not None:
@@ -135,9 +136,14 @@ async def pipeline(run: Run, rows, position, size: int, inflight: int):
         window.append((batch, pos, asyncio.create_task(job(batch))))
         while window and (window[0][2].done() or len(window) > 4 * inflight) and run.stop_code is None:
             await commit_head()
+    else:
+        read_all = True
     while window and (run.stop_code is None or run.stop_code == INTERRUPTED and run.signals < 2):
         if not await commit_head():
             break
+    if read_all and not window and run.stop_code == INTERRUPTED:  # the signal came after the last row was sent,
+        run.stop_code, run.stop_why = None, ""                    # and every answer is in: nothing is unfinished
+        run.progress.note("every row was sent and answered before the signal: finishing the output")
     for _, _, task in window:
         task.cancel()
     run.flush()

@@ -187,10 +187,8 @@ def read_key(path: str | None) -> bytes | None:
     return key
 
 
-def parser() -> argparse.ArgumentParser:
-    """The gateway's flags (the launcher passes them; docs/configuration.md lists each, tests/test_docs.py checks)."""
-    ap = argparse.ArgumentParser(prog="python -m egemma.gateway.app", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+def parser() -> argparse.ArgumentParser:  # the launcher passes these; docs/configuration.md lists each
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, action="append", required=True, help="a port to serve on (repeatable)")
     ap.add_argument("--triton-http", required=True, help="host:port of Triton's own HTTP")

@@ -19,13 +19,7 @@ in flight (for up to --exit-timeout-secs) and exits, its stubs finalize, then th
 server is left (egemma.ops.shm). A second SIGTERM / SIGINT ends it all at once, cleaned up the same way; one
 during boot stops the start. Exit code 0, or 1 after a second signal.
 
-Cache: --cache-dir (egemma.ops.cachedir) holds what a later start reuses: Triton-lang's kernels, the tuning file,
-the fused weights in the dtype served.
-
-API key (--api-key, or --api-key-file for a mounted secret): inference answers only to it, on every port: the
-gateway's OpenAI and TEI routes take `Authorization: Bearer KEY`, its KServe routes that or `api-key: KEY`, and
-Triton's gRPC the metadata `triton-grpc-protocol-api-key: KEY`; health, metadata and metrics stay open. The key is
-never printed.
+Cache (--cache-dir, egemma.ops.cachedir) and API key (--api-key, never printed): docs/operations.md.
 
 HTTP: the user-facing HTTP port (and --openai-port, a second port of the same process) is the gateway
 (egemma.gateway.app), which checks every request and proxies KServe v2 to Triton's own HTTP on a loopback-only
@@ -42,11 +36,11 @@ import time
 from pathlib import Path
 
 from egemma.engine.cache import cache_dir
+from egemma.engine.config import ModelConfig
 from egemma.engine.cpus import usable_cores
 from egemma.ops import cachedir
 from egemma.ops.host import parse_gpus, visible_gpus
 from egemma.ops.procfs import Cancelled, connections_to
-from egemma.engine.config import ModelConfig
 from egemma.ops.repository import ROOT, resolve_checkpoint
 from egemma.ops.front import Front
 from egemma.ops.tritonserver import ADMIN_APIS, ADMIN_HEADER, API_HEADER, TritonServer, free_port, gpu_host
@@ -190,8 +184,7 @@ def main(argv=None):
             sys.exit(0)
         raise
     cachedir.seal(a.cache_dir)
-    demo_banner = "\n  DEMO    random weights: the embeddings mean nothing (docs/operations.md, 'The real checkpoint')" \
-        if demo else ""
+    demo_banner = "\n  DEMO    random weights: the embeddings mean nothing (docs/operations.md)" if demo else ""
     print(f"""
 ready: model 'embeddinggemma' (checkpoint {ckpt}){demo_banner}
   HTTP    http://{h}:{a.http_port}  (gateway: KServe v2, OpenAI, TEI; bodies up to {a.max_request_bytes} bytes)

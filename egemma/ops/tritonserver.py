@@ -42,11 +42,9 @@ CPU_INSTANCES = {"embeddinggemma_encoder": 1, "embeddinggemma_tokenizer": 2}
 # CPU an idle server with 3 tokenizer instances took 4.9 s to exit (2.9 s with 1), so 2 s is out of reach that way.
 # stop() ends the server's group there instead (no stub has anything to finalize; kill() removes what they leave).
 DRAINED = b"All models are stopped, unloading models"
-# Without a GPU: no pinned-memory pool, CUDA memory pool or GPU metrics, so Triton neither probes CUDA for them nor
-# NVML / DCGM, nor logs their failures. On a GPU host nothing changes.
+# Without a GPU: no pinned-memory or CUDA pool, no GPU metrics, so Triton probes neither CUDA, NVML nor DCGM. What no
+# flag stops, Triton 2.51's CUDA block manager and an ensemble's CUDA stream failing, is dropped from the log there.
 CPU_ARGS = ("--pinned-memory-pool-byte-size=0", "--cuda-memory-pool-byte-size=0:0", "--allow-gpu-metrics=false")
-# What no flag stops on a host without a GPU: Triton 2.51 creates its CUDA block manager and a CUDA stream per
-# ensemble unconditionally and logs each failure as an error. Dropped from the log there; CPU_ARGS quiet the rest.
 CPU_NOISE = (b'"CudaDriverHelper has not been initialized."', b'"unable to create stream for ')
 
 
