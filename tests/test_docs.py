@@ -111,13 +111,10 @@ def default_server(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def real_server(tmp_path_factory):
-    if not os.environ.get("EMBEDDINGGEMMA_PATH"):
-        pytest.skip("EMBEDDINGGEMMA_PATH not set: get the real checkpoint with `huggingface-cli download "
-                    "google/embeddinggemma-300m --local-dir DIR` (gated: accept its license, then log in or set "
-                    "HF_TOKEN), then EMBEDDINGGEMMA_PATH=DIR")
+def real_serve_sh(real_checkpoint, tmp_path_factory):
+    """scripts/serve.sh --model $EMBEDDINGGEMMA_PATH."""
     d = tmp_path_factory.mktemp("docs-real")
-    p, ports = start(["--model", os.environ["EMBEDDINGGEMMA_PATH"]], dict(os.environ), d / "serve.log")
+    p, ports = start(["--model", str(real_checkpoint)], dict(os.environ), d / "serve.log")
     yield ports, d / "serve.log"
     stop(p)
 
@@ -137,8 +134,8 @@ def test_block(b, default_server, tmp_path):
 
 
 @pytest.mark.parametrize("b", [b for b in ALL if b.mark == REAL], ids=str)
-def test_real_checkpoint_block(b, real_server, tmp_path):
-    run_block(b, real_server[0], tmp_path)
+def test_real_checkpoint_block(b, real_serve_sh, tmp_path):
+    run_block(b, real_serve_sh[0], tmp_path)
 
 
 def test_the_default_start_says_demo_and_is_quiet_on_cpu(default_server):
