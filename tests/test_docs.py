@@ -241,3 +241,14 @@ def test_configuration_lists_every_model_parameter():
     declared = {k for c in (ROOT / "model_repository").glob("*/config.pbtxt")
                 for k in re.findall(r'parameters \{ key: "(\w+)"', c.read_text())}
     assert set(table("configuration.md", "Model parameters")) == declared
+
+
+@pytest.mark.parametrize("command, name", [("scripts/serve.sh", "scripts/serve.sh"),
+                                           (str(Path(sys.executable).with_name("egemma-serve")), "egemma-serve")])
+def test_help_speaks_as_the_command_typed_in_groups(command, name):
+    r = subprocess.run([command, "--help"], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                       env={k: v for k, v in os.environ.items() if k != "EGEMMA_PROG"})
+    assert r.returncode == 0 and r.stdout.startswith(f"usage: {name} "), (r.stdout[:200], r.stderr)
+    for group in ("model:", "network:", "gateway (HTTP):", "security:", "lifecycle:"):
+        assert f"\n{group}\n" in r.stdout, group
+    assert "docs/configuration.md" in r.stdout
