@@ -1,4 +1,4 @@
-"""The fused gate_up + gelu_and_mul GEMM (kernels/fused_gemm.py) in each tile against cuBLAS + a separate
+"""The fused gate_up + gelu_and_mul GEMM (egemma/kernels/fused_gemm.py) in each tile against cuBLAS + a separate
 gelu_and_mul, on Gemma's shapes, at each token count: 24 layers' worth of different weights in one CUDA graph (as
 in the forward), median us per layer. cublas+sgl-kernel is the layout before the interleaved gate_up (sgl-kernel's
 op reads [gate | up] halves), for comparison; "row-scaled": with the folded pre-MLP norm's row scale in the epilogue.
@@ -9,7 +9,7 @@ import argparse
 import torch
 
 from egemma.kernels import fused_gemm as fg, native, triton_ops
-from egemma.kernels.select import available_norm_backends, time_layers
+from egemma.engine.select import available_norm_backends, time_layers
 
 D, I, LAYERS = 768, 1152, 24
 

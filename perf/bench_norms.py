@@ -1,4 +1,4 @@
-"""The row-wise Triton-lang kernels (kernels/triton_ops.py: norm_add_norm, norm_add_rstd, qk_norm_rope, embed,
+"""The row-wise Triton-lang kernels (egemma/kernels/triton_ops.py: norm_add_norm, norm_add_rstd, qk_norm_rope, embed,
 mean_pool) on Gemma's shapes, against a plain copy of the same bytes (the bandwidth they could reach), sgl-kernel's
 norms, qk_norm_rope per warp count and mean_pool per tile. 24 layers' worth of different buffers in one CUDA graph,
 median us per layer (embed and mean_pool run once a forward: the same).
@@ -8,7 +8,7 @@ import torch
 from bench_fused import D, LAYERS, per_layer, setup
 
 from egemma.kernels import native, triton_ops as t
-from egemma.kernels.select import available_norm_backends
+from egemma.engine.select import available_norm_backends
 
 H, HKV, DH = 3, 1, 256
 WARPS = (1, 2, 4, 8)

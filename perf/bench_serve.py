@@ -15,7 +15,7 @@ Workloads (gRPC, text built from real English prose, token counts measured with 
 Each --sweep variant (instance counts; with --floor also the floor with those counts), and with --floor the repository
 with do-nothing models, runs w1, w2 and w3 at c=128/256 (w2 and w3 only with --suite sweep) on its own server after
 the suite on the repository's defaults (--tokenizers-too: ours with
-Hugging Face's tokenizer in place of kernels/bpe.c, the A/B of the tokenizer backend); each --floor-wait variant,
+Hugging Face's tokenizer in place of egemma/kernels/bpe.c, the A/B of the tokenizer backend); each --floor-wait variant,
 the floor whose encoder sleeps that long an execute as ours waits for its GPU, runs w2 and w3. Per-model split
 (Triton's statistics) for w1 and w3 at c=128, and the GPU's
 utilisation, SM clock and power during each. The size of the tokenizer's pieces: perf/tokenizer_pieces.py.
@@ -139,7 +139,8 @@ def main():
     ap.add_argument("--cjk-dir", type=Path, help="a folder of *-utf8.txt CJK texts (default: this Python's "
                                                  "test/cjkencodings)")
     ap.add_argument("--tokenizers-too", action="store_true",
-                    help="also serve ours with tokenizer_backend=tokenizers (Hugging Face's) in place of kernels/bpe.c")
+                    help="also serve ours with tokenizer_backend=tokenizers (Hugging Face's) in place of "
+                         "egemma/kernels/bpe.c")
     ap.add_argument("--gpu0", action="store_true",
                     help="also serve with the encoder placed by the launcher's --gpus 0 (KIND_GPU on GPU 0) instead of "
                          "the repository's KIND_MODEL: it must serve as the defaults do")

@@ -1,4 +1,4 @@
-"""The layer stack as one kernel (kernels/layer_stack.py) against the layered forward for small batches: checked
+"""The layer stack as one kernel (egemma/kernels/layer_stack.py) against the layered forward for small batches: checked
 (bf16 cosine; one launch with grid barriers == one launch a phase), timed in CUDA graphs, then its own clock read
 after each phase (program 0, %globaltimer) to say which phase costs what (perf/RESULTS.md runs 68-76, 86-87).
 
@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from egemma.engine.config import ModelConfig
 from egemma.engine.model import Encoder, Packed
 from egemma.kernels import layer_stack
-from egemma.kernels.select import attention_fn, available_norm_backends, make_ops, time_ms
+from egemma.engine.select import attention_fn, available_norm_backends, make_ops, time_ms
 
 
 def graph_batch(lengths, t, vocab, dev):

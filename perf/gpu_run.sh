@@ -4,14 +4,14 @@
 # Steps:
 #   deps                 only unpack what was carried (a warm machine keeps it for the next call: FA3 + sgl-kernel
 #                        do not fit one transfer beside the server); prints the CPU layout and whether MPS is there
-#   tokenizer            kernels/bpe.c against Hugging Face tokenizers on this host (tests/test_bpe.py, the real
+#   tokenizer            egemma/kernels/bpe.c against Hugging Face tokenizers on this host (tests/test_bpe.py, the real
 #                        tokenizer if carried), which C compiler builds it, and perf/tokenizer_pieces.py
 #   engine               GPU tests, profile, engine benchmark
 #   tests                only the GPU tests (tests/test_kernels.py, tests/test_gpu.py)
 #   fused                perf/bench_fused.py: the fused gate_up + gelu GEMM against cuBLAS + gelu_and_mul, per size
 #   norms                perf/bench_norms.py: the row-wise kernels against a copy of the same bytes, per warp count
-#   small                perf/bench_small_batch.py: the layer stack as one kernel (kernels/layer_stack.py) against the
-#                        layered forward for small batches (checked, timed, then its per-phase clock)
+#   small                perf/bench_small_batch.py: the layer stack as one kernel (egemma/kernels/layer_stack.py)
+#                        against the layered forward for small batches (checked, timed, then its per-phase clock)
 #   profile              only perf/profile_engine.py (kernels by group)
 #   serve                serving benchmark (perf/bench_serve.py) incl. the sentence-transformers baseline and
 #                        the instance-count sweep in $EGEMMA_SWEEP (space-separated MODEL=N,MODEL=N variants);

@@ -17,7 +17,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from egemma.engine import Engine, EngineConfig
-from egemma.kernels.select import time_ms
+from egemma.engine.select import time_ms
 
 GROUPS = [("gemm+gelu", ("gate_up_gelu",)), ("attention", ("flash", "fmha", "attn")),
           ("gemm", ("gemm", "sm90", "cutlass", "cublas", "nvjet")),

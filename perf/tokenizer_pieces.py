@@ -1,6 +1,6 @@
 """How the size of the tokenizer's parallel pieces (egemma.engine.chunker.Chunker) affects 8 texts of ~2048 tokens,
 back to back and 20 ms apart (as in w1, where the tokenizer waits for the encoder between requests), for each
-tokenizer backend. 16 different batches in turn, so that kernels/bpe.c's word cache sees new text as in serving.
+tokenizer backend. 16 different batches in turn, so that egemma/kernels/bpe.c's word cache sees new text as in serving.
 "c solo" is the C tokenizer without its pool, at the default piece size: what idling costs one thread.
 
   python perf/tokenizer_pieces.py CHECKPOINT        # prints the median ms per variant"""

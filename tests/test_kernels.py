@@ -6,8 +6,9 @@ import torch
 CUDA = torch.cuda.is_available()  # without one, conftest.py put Triton in interpreter mode
 pytest.importorskip("triton")
 
-from egemma.kernels import fused_gemm, native, select, triton_ops  # noqa: E402
-from egemma.kernels.select import available_norm_backends, make_ops  # noqa: E402
+from egemma.engine import select  # noqa: E402
+from egemma.kernels import fused_gemm, native, triton_ops  # noqa: E402
+from egemma.engine.select import available_norm_backends, make_ops  # noqa: E402
 
 DEV = torch.device("cuda" if CUDA else "cpu")
 DTYPE = torch.bfloat16 if CUDA else torch.float32
@@ -167,7 +168,7 @@ def test_invariant_ops_give_a_row_the_same_bits_in_any_batch(backend):
 
 @pytest.mark.parametrize("lengths", [[5, 9], [1, 20, 7]])  # 20: |i - j| up to 19, past the small window's 16
 def test_layer_stack_matches_the_layered_forward(checkpoints, lengths):
-    """kernels/layer_stack.py against Encoder.forward, in the CUDA graphs' batch layout (the padding one more
+    """egemma/kernels/layer_stack.py against Encoder.forward, in the CUDA graphs' batch layout (the padding one more
     sequence, unused slots empty). CPU: the interpreter, a launch a phase, fp32, native ops; GPU: bf16, one launch
     with grid barriers, the same as a launch a phase bit for bit."""
     from egemma.engine.config import ModelConfig

@@ -2,8 +2,9 @@
 class), captured largest-first into one memory pool. A batch replays the smallest graph that holds it: the
 padding tokens form one extra sequence that pooling ignores, and unused sequence slots are empty
 (cu_seqlens repeats). Attention's grid follows max_seqlen, so short-sequence batches get graphs with a small
-one. The attention backend of each graph and layer type is picked by timing at load (egemma.kernels.select), and
-so is, for the smallest buckets, the layer stack as one kernel (kernels/layer_stack.py) against the layered forward."""
+one. The attention backend of each graph and layer type is picked by timing at load (egemma.engine.tuning), and
+so is, for the smallest buckets, the layer stack as one kernel (egemma/kernels/layer_stack.py) against the layered
+forward."""
 from __future__ import annotations
 
 import logging
@@ -14,7 +15,7 @@ import numpy as np
 import torch
 
 from egemma.engine.model import Encoder, Packed
-from egemma.kernels.select import Ops, attention_fn, time_ms
+from egemma.engine.select import Ops, attention_fn, time_ms
 
 log = logging.getLogger("egemma")
 
@@ -66,7 +67,7 @@ class GraphRunner:
         return f"{key[0]}/{key[1]}"
 
     def setup(self, ops: Ops, attention: dict[str, list[str]], stack: list[str], capture: bool):
-        """The chosen kernels (egemma.kernels.tuning.Choices: attention per graph name, the graphs run as the layer
+        """The chosen kernels (egemma.engine.tuning.Choices: attention per graph name, the graphs run as the layer
         stack); capture: every graph now (attention chosen: native attention syncs, so it has none)."""
         self.ops = ops
         self.attn = {k: tuple(attention.get(self.name(k), ("native", "native"))) for k in self.keys}
@@ -177,7 +178,7 @@ class GraphRunner:
         np.copyto(out, self.results[:n].numpy())
         return out, replay
 
-    # The timers egemma.kernels.tuning chooses with: each on a full batch of the graph's shape.
+    # The timers egemma.engine.tuning chooses with: each on a full batch of the graph's shape.
     def stack_supported(self, key: tuple[int, int]) -> bool:
         """Whether the layer stack kernel can run this graph: bf16 and a GPU and model shape it supports."""
         from egemma.kernels import layer_stack

@@ -4,7 +4,7 @@ interleaved at load (egemma.engine.weights: gate j, up j as rows 2j, 2j + 1), so
 accumulator columns, which the wgmma layout keeps in one thread: splitting them costs nothing. With a row scale
 (the pre-MLP RMSNorm's, its weight folded into w at load) x is the unnormalised residual and the norm's output is
 never written. Reference: native.gate_up_gelu (tests/test_kernels.py). Whether it beats norm + cuBLAS + a separate
-gelu_and_mul is timed per token bucket at load (egemma.kernels.select, mlp_up): on the H200 it is picked for most
+gelu_and_mul is timed per token bucket at load (egemma.engine.select, mlp_up): on the H200 it is picked for most
 buckets from 16 tokens on (perf/RESULTS.md runs 61, 66)."""
 from dataclasses import dataclass
 

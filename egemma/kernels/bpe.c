@@ -1,6 +1,6 @@
 /* Gemma's tokenizer (a SentencePiece BPE converted for Hugging Face `tokenizers`) in plain C, to the id: what
    tokenizers' AddedVocabulary split, Replace(" " -> "▁") normaliser and BPE (merge_word + Word::merge_all, byte
-   fallback) do for a model kernels/bpe.py has checked has exactly that pipeline. No allocation per character or
+   fallback) do for a model egemma/kernels/bpe.py has checked has exactly that pipeline. No allocation per character or
    token and no Python object per id: ids go straight into the caller's int32 buffer. Pieces of a batch run on a
    small persistent thread pool (the caller works too); the reference is tokenizers itself (tests/test_bpe.py). */
 #include <linux/futex.h>
@@ -160,7 +160,7 @@ static long bpe_word(const Model *m, Scratch *s, const uint8_t *t, long n, int32
         uint32_t c = utf8(t + i, len);
         if (c == ' ') c = 0x2581; /* the normaliser */
         int32_t id = c < NCP ? m->cp[c] : -1;
-        if (id >= 0) s->id[k++] = id; /* "▁" always has one (kernels/bpe.py checks) */
+        if (id >= 0) s->id[k++] = id; /* "▁" always has one (egemma/kernels/bpe.py checks) */
         else
             for (int j = 0; j < len; j++) s->id[k++] = m->byte[t[i + j]];
         i += len;

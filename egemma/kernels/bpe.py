@@ -1,4 +1,4 @@
-"""Gemma's tokenizer in C (kernels/bpe.c) for tokenizer.json files whose pipeline it reproduces to the id: added
+"""Gemma's tokenizer in C (egemma/kernels/bpe.c) for tokenizer.json files whose pipeline it reproduces to the id: added
 tokens matched on the raw text, the Replace(" " -> "▁") normaliser, no pre-tokenizer that splits anything, and a
 byte-fallback BPE. Its reference is Hugging Face `tokenizers` on the same file (tests/test_bpe.py). The library
 is compiled with the system C compiler on first use and cached by its source's hash, as Triton-lang does its
@@ -84,11 +84,11 @@ def _cache_dir() -> Path:
 
 
 def library() -> ctypes.CDLL:
-    """The compiled kernels/bpe.c, built now if this source was never built here with this compiler for this machine.
+    """The compiled bpe.c, built now if this source was never built here with this compiler for this machine.
     Unsupported when it cannot be: no compiler, no source (an install without it), a library that does not load."""
     cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if cc is None:
-        raise Unsupported("no C compiler (cc) to build kernels/bpe.c")
+        raise Unsupported("no C compiler (cc) to build egemma/kernels/bpe.c")
     try:
         src = SOURCE.read_bytes()
     except OSError as e:
@@ -101,7 +101,7 @@ def library() -> ctypes.CDLL:
         r = subprocess.run([cc, *CFLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True)
         if r.returncode:
             os.unlink(tmp)
-            raise Unsupported(f"{cc} failed on kernels/bpe.c: {r.stderr.strip()[-500:]}")
+            raise Unsupported(f"{cc} failed on egemma/kernels/bpe.c: {r.stderr.strip()[-500:]}")
         os.replace(tmp, so)
     try:
         lib = ctypes.CDLL(str(so))
@@ -152,7 +152,7 @@ class Bpe:
                                   b"".join(contents), aoff.ctypes.data, aid.ctypes.data, len(added), g.ctypes.data,
                                   len(g), threads)
         if not self.m:
-            raise MemoryError("kernels/bpe.c: out of memory")
+            raise MemoryError("egemma/kernels/bpe.c: out of memory")
         self.lock = threading.Lock()  # one call at a time per model (its threads' scratch is the model's)
         weakref.finalize(self, self.lib.bpe_free, self.m)  # its threads stopped, its memory freed
 
@@ -165,12 +165,12 @@ class Bpe:
         off = np.zeros(len(bs) + 1, np.int64)
         np.cumsum([len(b) for b in bs], out=off[1:])
         if off[-1] >= 2 ** 31:
-            raise ValueError(f"{int(off[-1])} bytes in one call: kernels/bpe.c indexes them with int32")
+            raise ValueError(f"{int(off[-1])} bytes in one call: egemma/kernels/bpe.c indexes them with int32")
         out = np.empty(max(int(off[-1]), 1), np.int32)
         count = np.empty(len(bs), np.int64)
         with self.lock:
             self.lib.bpe_encode(self.m, b"".join(bs), off.ctypes.data, len(bs), chunk_bytes, out.ctypes.data,
                                 count.ctypes.data)
         if len(bs) and count.min() < 0:
-            raise MemoryError("kernels/bpe.c: out of memory")
+            raise MemoryError("egemma/kernels/bpe.c: out of memory")
         return [out[o:o + c] for o, c in zip(off.tolist(), count.tolist())]

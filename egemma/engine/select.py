@@ -1,5 +1,5 @@
 """The backends the engine chooses from, and the timer it chooses with (the choices themselves are made once, in
-egemma.kernels.tuning). Elementwise ops: sgl-kernel / Triton-lang / torch-native. The MLP's first half (mlp_up: the
+egemma.engine.tuning). Elementwise ops: sgl-kernel / Triton-lang / torch-native. The MLP's first half (mlp_up: the
 norms around the residual add, the gate_up GEMM, gelu_and_mul): norm_add_norm + cuBLAS + gelu_and_mul, or a norm that
 only computes each row's scale + one fused GEMM (kernels.fused_gemm) in one of its tiles. Attention: FA3
 (flash_attn_interface) / torch's built-in FA2 / native SDPA. Every backend computes the same function as
@@ -156,7 +156,7 @@ def mlp_up_candidates(device, dtype, hidden: int, intermediate: int) -> list[str
 
 def build_ops(norms: dict[str, str], mlp_up: list[str], device: torch.device, dtype=torch.bfloat16, hidden=768,
               buckets: list[int] | None = None, invariant: bool = False) -> Ops:
-    """Ops from named choices (egemma.kernels.tuning makes them): norms {"norm_add_norm": backend,
+    """Ops from named choices (egemma.engine.tuning makes them): norms {"norm_add_norm": backend,
     "gelu_tanh_and_mul": backend}; mlp_up a path per token bucket (UNFUSED or a fused tile's name; a batch takes
     the smallest bucket that holds it), or one path for all. invariant: Triton-lang's row kernels with one launch
     shape whatever the batch, so a row's bits never depend on the batch it is in."""
@@ -195,7 +195,7 @@ def build_ops(norms: dict[str, str], mlp_up: list[str], device: torch.device, dt
 def make_ops(backend: str, device: torch.device, dtype=torch.bfloat16, hidden=768, invariant: bool = False) -> Ops:
     """Ops with one backend (one of NORM_BACKENDS) for every elementwise op (sgl-kernel: its norms, with Triton-lang's
     gelu_tanh_and_mul) and mlp_up unfused: for tests and benchmarks; the engine's own choice is timed
-    (egemma.kernels.tuning)."""
+    (egemma.engine.tuning)."""
     have = available_norm_backends(device)
     if backend not in have:
         raise RuntimeError(f"norm backend {backend!r} is not available on {device} (available: {have})")

@@ -29,7 +29,7 @@ def _norm_add_kernel(x_ptr, res_ptr, w_post_ptr, w_ptr, out_ptr, D, eps, sx, sr,
 
 
 # The row kernels' launch shapes. Each row's reduction order follows the warp count, so a batch-invariant engine
-# (egemma.kernels.tuning) launches them with one shape whatever the batch: INVARIANT_* (the large-batch choices).
+# (egemma.engine.tuning) launches them with one shape whatever the batch: INVARIANT_* (the large-batch choices).
 INVARIANT_ROW_WARPS, INVARIANT_QK_WARPS, INVARIANT_POOL_TILE = 2, 1, (128, 32, 4)
 
 

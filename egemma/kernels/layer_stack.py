@@ -18,9 +18,7 @@ program recomputes the row norms it needs from the phase before (a few rows, fro
 Reference: the layered forward (egemma.engine.model.Encoder.forward) with kernels.native ops, which it matches up to
 bf16 rounding (tests/test_kernels.py; under Triton's interpreter, fp32, each phase is its own launch: the kernel
 boundary is the barrier). The engine takes it for the CUDA graphs where it replays faster (egemma.engine.graphs:
-16 tokens on the H200, perf/RESULTS.md runs 86-88, 92).
-
-long: one kernel and the device functions of its phases, which are read together."""
+16 tokens on the H200, perf/RESULTS.md runs 86-88, 92)."""
 import torch
 import triton
 import triton.language as tl

@@ -10,9 +10,7 @@ row from that row alone, in an order that does not depend on the batch (README, 
 The file: <cache dir>/tuning-<hash>.json, the hash of a key naming the GPU, driver, library versions, model shape and
 engine settings; the key is stored inside and checked. Instances starting together tune once: the first takes an
 flock, the others wait for it and read. A corrupt or foreign file is tuned again with a warning; a directory that
-cannot be written means tuning in memory (a file already there is still read), with a warning.
-
-long: every load-time choice in one module, with its file and lock, as issue #37 asks."""
+cannot be written means tuning in memory (a file already there is still read), with a warning."""
 from __future__ import annotations
 
 import dataclasses
@@ -30,7 +28,7 @@ from typing import Callable
 
 import torch
 
-from egemma.kernels import select
+from egemma.engine import select
 
 
 log = logging.getLogger("egemma")
