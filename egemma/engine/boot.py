@@ -1,4 +1,4 @@
-"""A model instance's boot timeline: one log line per phase, all with PREFIX, that perf/boot.py reads back from
+"""A model instance's boot timeline: one log line per phase, all with PREFIX, that perf/serving/boot.py reads back from
 the server's log. A phase line says when the phase ended (wall clock, comparable across the host's processes) and
 how long it took:
 

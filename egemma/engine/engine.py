@@ -36,7 +36,7 @@ class EngineConfig:
     max_seqs: int = 256  # sequences per forward
     # one kernel choice per op for every batch: a sequence's embedding has the same bits whatever it is batched with
     # (egemma.engine.tuning). Off by default: one query costs 26% more engine time on the H200 (no layer stack;
-    # perf/RESULTS.md, "Determinism", run 124)
+    # perf/RESULTS.md, "Determinism")
     deterministic: bool = False
 
     @classmethod
@@ -157,7 +157,7 @@ class Engine:
     def forward_eager(self, ids: np.ndarray, lengths: list[int]) -> torch.Tensor:
         """fp32 [len(lengths), out_dim] without graphs (the CPU's path). Deterministic: the tokens padded to a multiple
         of EAGER_ROWS by one more sequence, which pooling skips: the CPU's GEMMs give a row the same bits at any such
-        row count, not at a few rows (README, "One text, one vector")."""
+        row count, not at a few rows."""
         n, pad = len(lengths), (-ids.size) % EAGER_ROWS if self.ec.deterministic else 0
         if pad:
             ids, lengths = np.concatenate([ids, np.full(pad, self.cfg.pad_id, ids.dtype)]), [*lengths, pad]

@@ -52,11 +52,11 @@ class GraphRunner:
         self.meta = torch.zeros(size, dtype=torch.int64, device=dev)
         self.staging = torch.zeros(size, dtype=torch.int64, pin_memory=True)
         # numpy views of each bucket's staged inputs, made once: a query's host work before its replay is what a
-        # stub woken from its wait pays several times over (perf/RESULTS.md run 92)
+        # stub woken from its wait pays several times over
         self.staged = {t: (v.ids.numpy(), v.pos.numpy(), v.cu_seqlens.numpy())
                        for t in buckets for v in [self.vars(self.staging, t)]}
         self.arange = np.arange(buckets[-1], dtype=np.int64)
-        # the embeddings come back through pinned memory: a pageable .cpu() was slower (perf/RESULTS.md run 87)
+        # the embeddings come back through pinned memory: a pageable .cpu() was slower
         self.results = torch.zeros((max_seqs, c.out_dim), dtype=torch.float32, pin_memory=True)
         self.keys = [(t, m) for t in buckets for m in sorted({min(m, t) for m in self.classes})]
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -92,8 +92,8 @@ class GraphRunner:
         before = (torch.cuda.memory_allocated(dev), torch.cuda.memory_reserved(dev),
                   torch.cuda.max_memory_allocated(dev))  # the weights, and the kernel choice's leftovers and peak
         # One side stream for every warm-up and capture: cuBLAS, when it has a workspace (the engine's default is
-        # none), keeps 32 MiB of it per stream for good, and a fresh stream per graph held 1.03 GiB of them (issue
-        # #12's per-instance memory; perf/RESULTS.md run 32).
+        # none), keeps 32 MiB of it per stream for good, and a fresh stream per graph held 1.03 GiB of them (the
+        # per-instance memory budget).
         s = torch.cuda.Stream(dev)
         for k in reversed(self.keys):
             self._fill_dummy(k)
@@ -111,7 +111,7 @@ class GraphRunner:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()  # the kernel choice's and the warm-ups' blocks: only the graphs' pool is used now
         took = time.perf_counter() - t0
-        gib = 2 ** -30  # what each stage holds, for the per-instance memory budget (perf/RESULTS.md, issue #12)
+        gib = 2 ** -30  # what each stage holds, for the per-instance memory budget (perf/RESULTS.md, Memory)
         log.info("egemma: %d CUDA graphs captured in %.1fs; GPU memory allocated %.2f -> %.2f GiB, reserved %.2f -> "
                  "%.2f GiB, peak %.2f -> %.2f GiB", len(self.graphs), took, before[0] * gib,
                  torch.cuda.memory_allocated(dev) * gib, before[1] * gib, torch.cuda.memory_reserved(dev) * gib,

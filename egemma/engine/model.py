@@ -71,7 +71,7 @@ class Encoder:
         self.head = Head(cfg, self.device)
 
     def weight_bytes(self) -> int:
-        """Bytes of the weights held on the device (the per-instance memory budget: perf/RESULTS.md, issue #12)."""
+        """Bytes of the weights held on the device (the per-instance memory budget)."""
         ts = [self.embed, self.final_norm, *self.stacked.values(), *(t for t in self.head.dense if t is not None)]
         return sum(t.numel() * t.element_size() for t in ts)
 

@@ -91,7 +91,7 @@ def time_ms(fn, *args, reps: int = 5, inner: int = 5, capture: bool = True, idle
     """Median GPU time of one fn(*args) in ms, by CUDA events around replays of a graph of `inner` calls: the
     forward runs as graph replays, and eager timing would rank by launch overhead instead. capture=False times
     fn itself (something that replays a graph already). idle_s: the GPU idles that long before each timed run (off
-    its power cap: perf/profile_engine.py's "rested")."""
+    its power cap: perf/engine/profile_engine.py's "rested")."""
     fn(*args)  # lazy initialisation and workspace allocation stay out of the graph
     if capture:
         g = torch.cuda.CUDAGraph()
@@ -155,10 +155,10 @@ def mlp_up_candidates(device, dtype, hidden: int, intermediate: int) -> list[str
 
 
 def build_ops(norms: dict[str, str], mlp_up: list[str], device: torch.device, dtype=torch.bfloat16, hidden=768,
-              buckets: list[int] | None = None, invariant: bool = False) -> Ops:
+              buckets: list[int] | None = None, deterministic: bool = False) -> Ops:
     """Ops from named choices (egemma.engine.tuning makes them): norms {"norm_add_norm": backend,
     "gelu_tanh_and_mul": backend}; mlp_up a path per token bucket (UNFUSED or a fused tile's name; a batch takes
-    the smallest bucket that holds it), or one path for all. invariant: Triton-lang's row kernels with one launch
+    the smallest bucket that holds it), or one path for all. deterministic: Triton-lang's row kernels with one launch
     shape whatever the batch, so a row's bits never depend on the batch it is in."""
     cands = {b: _backend_ops(b) for b in set(norms.values())}
     chosen = {op: cands[b][op] for op, b in norms.items()}
@@ -166,11 +166,11 @@ def build_ops(norms: dict[str, str], mlp_up: list[str], device: torch.device, dt
     if device.type == "cuda" and _have("triton"):
         from egemma.kernels import triton_ops as own
     fused = {op: getattr(own, op) for op in ("embed", "norm_add_rstd", "qk_norm_rope", "mean_pool")}
-    if invariant and own is not native:
-        rows = own.INVARIANT_ROW_WARPS
+    if deterministic and own is not native:
+        rows = own.DETERMINISTIC_ROW_WARPS
         fused = dict(embed=partial(own.embed, warps=rows), norm_add_rstd=partial(own.norm_add_rstd, warps=rows),
-                     qk_norm_rope=partial(own.qk_norm_rope, warps=own.INVARIANT_QK_WARPS),
-                     mean_pool=partial(own.mean_pool, tile=own.INVARIANT_POOL_TILE))
+                     qk_norm_rope=partial(own.qk_norm_rope, warps=own.DETERMINISTIC_QK_WARPS),
+                     mean_pool=partial(own.mean_pool, tile=own.DETERMINISTIC_POOL_TILE))
         if norms["norm_add_norm"] == "triton":
             chosen["norm_add_norm"] = partial(own.norm_add_norm, warps=rows)
     unit = torch.zeros(hidden, device=device, dtype=dtype)  # a norm weight w with (1 + w) = 1
@@ -192,7 +192,8 @@ def build_ops(norms: dict[str, str], mlp_up: list[str], device: torch.device, dt
     return Ops(name, **fused, **chosen, mlp_up=mlp)
 
 
-def make_ops(backend: str, device: torch.device, dtype=torch.bfloat16, hidden=768, invariant: bool = False) -> Ops:
+def make_ops(backend: str, device: torch.device, dtype=torch.bfloat16, hidden=768,
+             deterministic: bool = False) -> Ops:
     """Ops with one backend (one of NORM_BACKENDS) for every elementwise op (sgl-kernel: its norms, with Triton-lang's
     gelu_tanh_and_mul) and mlp_up unfused: for tests and benchmarks; the engine's own choice is timed
     (egemma.engine.tuning)."""
@@ -201,7 +202,7 @@ def make_ops(backend: str, device: torch.device, dtype=torch.bfloat16, hidden=76
         raise RuntimeError(f"norm backend {backend!r} is not available on {device} (available: {have})")
     gelu = "triton" if backend == "sgl-kernel" else backend
     return build_ops({"norm_add_norm": backend, "gelu_tanh_and_mul": gelu}, [UNFUSED], device, dtype, hidden,
-                     invariant=invariant)
+                     deterministic=deterministic)
 
 
 def attention_fn(backend: str) -> Callable:
@@ -213,7 +214,7 @@ def attention_fn(backend: str) -> Callable:
 
         def fa3(q, k, v, cu, max_seqlen, window, scale):
             # pack_gqa=False: its default for varlen packs the 3 q heads a k head into one tile, 2-6% slower here
-            # (8 x 2048: 61.9 against 63.1 us a sliding layer, 147 against 151 a global one; perf/RESULTS.md run 59)
+            # (8 x 2048 on the H200: 61.9 against 63.1 us a sliding layer, 147 against 151 a global one)
             out = flash_attn_varlen_func(q, k, v, cu, cu, max_seqlen, max_seqlen, softmax_scale=scale,
                                          causal=False, window_size=(window, window), pack_gqa=False)
             return out[0] if isinstance(out, tuple) else out

@@ -88,7 +88,7 @@ def resolve_ahead(path) -> threading.Thread | None:
     """On a cache miss, resolve into the cache on a thread of this process, holding the cache's lock from before
     this returns: processes started next (the tokenizer model's instances) wait on it and read the entry, so they
     never import transformers themselves, which a stub's environment may not manage (numpy 1.26 against a host's
-    numpy-2 builds of scipy: perf/RESULTS.md run 126). None where there is nothing to do."""
+    numpy-2 builds of scipy). None where there is nothing to do."""
     if not os.environ.get(ENV) or _read(entry := _entry(path)) is not None or unwritable(entry.parent):
         return None
     t = threading.Thread(target=_fill, args=(path, entry, _lock(entry)), name="egemma-tokenizer-resolve", daemon=True)

@@ -3,9 +3,9 @@ instance and every restart reads: the elementwise ops' backends, mlp_up's path p
 per CUDA graph and layer type, the layer stack as one kernel per graph, and the settings around them (the cuBLAS
 workspace, the clock warm-up before timing). One log line says what was chosen and whether it was read or timed.
 
-Invariant (the engine's default): one choice per op for every bucket and graph, the row kernels at one launch shape,
-no layer stack, so a sequence's embedding has the same bits whatever it is batched with: each kernel left computes a
-row from that row alone, in an order that does not depend on the batch (README, "One text, one vector").
+Deterministic (EngineConfig.deterministic, off by default): one choice per op for every bucket and graph, the row
+kernels at one launch shape, no layer stack, so a sequence's embedding has the same bits whatever it is batched with:
+each kernel left computes a row from that row alone, in an order that does not depend on the batch.
 
 The file: <cache dir>/tuning-<hash>.json, the hash of a key naming the GPU, driver, library versions, model shape and
 engine settings; the key is stored inside and checked. Instances starting together tune once: the first takes an
@@ -33,7 +33,7 @@ from egemma.engine import select
 
 log = logging.getLogger("egemma")
 SCHEMA = 1
-STACK_TOKENS = 16  # graphs offered the layer stack: it won at 16 tokens, lost by half at 32 (RESULTS runs 86-87)
+STACK_TOKENS = 16  # graphs offered the layer stack: it won at 16 tokens, lost by half at 32
 # the modules whose kernels are timed, and the distributions that may install each
 MODULES = {"torch": ("torch",), "triton": ("triton",), "flash_attn_interface": ("tokenspeed-fa3", "flash-attn-3"),
            "sgl_kernel": ("sglang-kernel", "sgl-kernel")}
@@ -42,7 +42,7 @@ MODULES = {"torch": ("torch",), "triton": ("triton",), "flash_attn_interface": (
 @dataclass
 class Choices:
     norms: dict[str, str]  # {"norm_add_norm": backend, "gelu_tanh_and_mul": backend}
-    mlp_up: list[str]  # a path per token bucket (select.UNFUSED or a fused tile), one for all when invariant
+    mlp_up: list[str]  # a path per token bucket (select.UNFUSED or a fused tile), one for all when deterministic
     attention: dict[str, list[str]] = field(default_factory=dict)  # "tokens/max_seqlen" -> [sliding, global]
     stack: list[str] = field(default_factory=list)  # graphs ("tokens/max_seqlen") run as the layer stack
     seconds: float = 0.0  # how long the timing took
@@ -58,7 +58,7 @@ class Choices:
 def gpu_settings(device: torch.device, cuda_graphs: bool):
     """Before the process's first cuBLAS call. No cuBLAS workspace: its Hopper GEMMs then take their static-schedule
     variants, which need no memset before each launch (in a CUDA graph each memset idled the GPU before its GEMM) and
-    never split K by the batch's size (RESULTS runs 80-83). Eager calls pay for it on the host, hence graphs only. A
+    never split K by the batch's size. Eager calls pay for it on the host, hence graphs only. A
     value set before stands."""
     if device.type == "cuda" and cuda_graphs:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":0:0")
@@ -188,11 +188,12 @@ def _norms(backend, device, dtype, hidden, intermediate, tokens) -> dict[str, st
     return out
 
 
-def best(times: list[dict[str, float]], invariant: bool, families: list[list[str]] | None = None) -> list[str]:
-    """The fastest candidate at each size. Invariant: only within one family of candidates that compute the same
+def best(times: list[dict[str, float]], deterministic: bool,
+         families: list[list[str]] | None = None) -> list[str]:
+    """The fastest candidate at each size. Deterministic: only within one family of candidates that compute the same
     bits (default: each alone), the family fastest over all sizes together (the least mean time of its fastest
     relative to each size's fastest)."""
-    if not invariant:
+    if not deterministic:
         return [min(t, key=t.get) for t in times]
     fams = [f for f in (families or [[c] for c in sorted(set.intersection(*(set(t) for t in times)))])
             if all(set(f) & set(t) for t in times)]
@@ -202,7 +203,7 @@ def best(times: list[dict[str, float]], invariant: bool, families: list[list[str
 
 def families(outputs: dict[str, torch.Tensor]) -> list[list[str]]:
     """Candidates grouped by the bits they compute on one probe: those with equal bits sum in the same order (a
-    fused tile's K steps do not depend on its M and N blocks), so a batch-invariant engine may mix them."""
+    fused tile's K steps do not depend on its M and N blocks), so a deterministic engine may mix them."""
     out: list[list[str]] = []
     for name, y in outputs.items():
         fam = next((f for f in out if torch.equal(outputs[f[0]], y)), None)
@@ -210,7 +211,7 @@ def families(outputs: dict[str, torch.Tensor]) -> list[list[str]]:
     return out
 
 
-def _mlp_up(norms, device, dtype, hidden, intermediate, buckets, layers, invariant) -> list[str]:
+def _mlp_up(norms, device, dtype, hidden, intermediate, buckets, layers, deterministic) -> list[str]:
     """mlp_up's path per token bucket, each timed over `layers` different weights (select.time_layers: one set would
     sit in L2 and flatter small sizes)."""
     cands = select.mlp_up_candidates(device, dtype, hidden, intermediate)
@@ -219,7 +220,8 @@ def _mlp_up(norms, device, dtype, hidden, intermediate, buckets, layers, invaria
     from triton.runtime.errors import OutOfResources
     ws = [torch.randn(2 * intermediate, hidden, device=device, dtype=dtype) / hidden ** 0.5 for _ in range(layers)]
     w_post = torch.randn(hidden, device=device, dtype=dtype) * 0.1
-    fns = {n: select.build_ops(norms, [n], device, dtype, hidden, invariant=invariant).mlp_up for n in cands}
+    fns = {n: select.build_ops(norms, [n], device, dtype, hidden, deterministic=deterministic).mlp_up
+           for n in cands}
     x = torch.randn(buckets[0], hidden, device=device, dtype=dtype)
     select.compile_together([lambda f=f: f(x.clone(), x.clone(), w_post, ws[0], 1e-6) for f in fns.values()],
                             device)
@@ -234,16 +236,16 @@ def _mlp_up(norms, device, dtype, hidden, intermediate, buckets, layers, invaria
             except OutOfResources as e:  # a tile too large for this GPU's shared memory: not a candidate here
                 log.info("egemma: mlp_up tile %s does not fit %s: %s", name, device, e)
         times.append(at)
-    if invariant:  # which candidates compute the same bits: one probe batch through each that ran
+    if deterministic:  # which candidates compute the same bits: one probe batch through each that ran
         x = torch.randn(300, hidden, device=device, dtype=dtype)
         residual = torch.randn(300, hidden, device=device, dtype=dtype) * 10
         probe = {n: f(x.clone(), residual.clone(), w_post, ws[0], 1e-6) for n, f in fns.items()
                  if all(n in t for t in times)}
-    return best(times, invariant, families(probe) if probe else None)
+    return best(times, deterministic, families(probe) if probe else None)
 
 
 def tune(model, runner, buckets: list[int], attention: list[str], tokens: int, norm_backend: str,
-         invariant: bool) -> Choices:
+         deterministic: bool) -> Choices:
     """Time every choice for this model (egemma.engine.model.Encoder) on this device: attention among the candidates
     given, the elementwise ops' backend as norm_backend says (auto: timed). runner: its
     egemma.engine.graphs.GraphRunner (None on CPU), whose graphs' attention and layer stack are timed as captured."""
@@ -253,20 +255,20 @@ def tune(model, runner, buckets: list[int], attention: list[str], tokens: int, n
         warm_clocks(dev)
     norms = _norms(norm_backend, dev, dtype, c.hidden, c.intermediate, tokens)
     t1 = time.perf_counter()
-    mlp = _mlp_up(norms, dev, dtype, c.hidden, c.intermediate, buckets, c.layers, invariant)
+    mlp = _mlp_up(norms, dev, dtype, c.hidden, c.intermediate, buckets, c.layers, deterministic)
     t2 = time.perf_counter()
     choices = Choices(norms, mlp)
     cands = [b for b in attention if b != "native"]  # native attention syncs: not capturable
     if runner is not None and cands:
-        ops = select.build_ops(norms, mlp, dev, dtype, c.hidden, buckets, invariant)
+        ops = select.build_ops(norms, mlp, dev, dtype, c.hidden, buckets, deterministic)
         keys = runner.keys
         if len(cands) == 1:
             picks = [[cands[0]] * len(keys)] * 2
         else:
-            picks = [best([runner.attention_ms(k, ops, cands, sliding) for k in keys], invariant)
+            picks = [best([runner.attention_ms(k, ops, cands, sliding) for k in keys], deterministic)
                      for sliding in (True, False)]
         choices.attention = {runner.name(k): [picks[0][i], picks[1][i]] for i, k in enumerate(keys)}
-        if not invariant:  # the layer stack computes in another order than the layered forward: never invariant
+        if not deterministic:  # the layer stack sums in another order than the layered forward: never deterministic
             for k in keys:
                 pair = tuple(choices.attention[runner.name(k)])
                 if k[0] <= STACK_TOKENS and runner.stack_supported(k):

@@ -5,7 +5,7 @@ accumulator columns, which the wgmma layout keeps in one thread: splitting them 
 (the pre-MLP RMSNorm's, its weight folded into w at load) x is the unnormalised residual and the norm's output is
 never written. Reference: native.gate_up_gelu (tests/test_kernels.py). Whether it beats norm + cuBLAS + a separate
 gelu_and_mul is timed per token bucket at load (egemma.engine.select, mlp_up): on the H200 it is picked for most
-buckets from 16 tokens on (perf/RESULTS.md runs 61, 66)."""
+buckets from 16 tokens on (perf/engine/bench_fused.py)."""
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +29,7 @@ class Tile:
         return f"{self.bm}x{self.bn}x{self.bk}/s{self.stages}w{self.warps}"
 
 
-# The candidates timed at load (perf/RESULTS.md run 51 timed more): wide tiles win on many rows, narrow ones spread
+# The candidates timed at load (of more timed once): wide tiles win on many rows, narrow ones spread
 # a few rows' weight reads over more SMs.
 TILES = (Tile(128, 256, 64, 4, 8), Tile(64, 256, 64, 4, 4), Tile(64, 128, 64, 4, 4), Tile(64, 64, 128, 3, 4))
 
@@ -44,7 +44,7 @@ def _pid(tile, n_m, n_n, GROUP_M: tl.constexpr):
 
 
 # One compile a tile whatever the rows: with the program count a constexpr, every token bucket was a compile of its
-# own (22 at load, most of the cold boot's kernel phase: perf/RESULTS.md run 124).
+# own (22 at load, most of the cold boot's kernel phase).
 @triton.jit(do_not_specialize=["M", "programs"])
 def _gate_up_gelu_kernel(x_desc, w_desc, o_desc, s_ptr, M, N, K, programs, BM: tl.constexpr, BN: tl.constexpr,
                          BK: tl.constexpr, GROUP_M: tl.constexpr, SCALE: tl.constexpr):

@@ -18,7 +18,7 @@ program recomputes the row norms it needs from the phase before (a few rows, fro
 Reference: the layered forward (egemma.engine.model.Encoder.forward) with kernels.native ops, which it matches up to
 bf16 rounding (tests/test_kernels.py; under Triton's interpreter, fp32, each phase is its own launch: the kernel
 boundary is the barrier). The engine takes it for the CUDA graphs where it replays faster (egemma.engine.graphs:
-16 tokens on the H200, perf/RESULTS.md runs 86-88, 92)."""
+16 tokens on the H200; perf/engine/bench_small_batch.py)."""
 import torch
 import triton
 import triton.language as tl
@@ -29,7 +29,7 @@ MAX_TOKENS = 32  # the largest batch it takes: registers hold whole rows (it los
 BN = 16  # output columns a program computes at a time (gate_up: 16 gelu outputs from 32 columns)
 PHASES = 5  # a layer's
 # the o and down GEMMs' K split over the warps (4 slices: 0.569 ms a forward against 0.586 with 2, 0.589 with 8
-# and 0.616 unsplit, perf/RESULTS.md run 92; qkv and gate_up, whose rows come normed from registers, lost split)
+# and 0.616 unsplit on the H200; qkv and gate_up, whose rows come normed from registers, lost split)
 KSPLIT = 4
 
 
@@ -277,7 +277,7 @@ def _layers_kernel(h_a, h_b, qkv_ptr, at_ptr, o_ptr, y_ptr, d_ptr, out_ptr, bar,
             _enter(bar, times, ph, first, SYNC, TIMES)
             for cb in range(pid, tl.cdiv(NQKV, BN), G):
                 # layer 0 adds d = 0 (zeroed at launch): one code path (a runtime branch made phase A 14.7 us against
-                # 10.8 with one call per branch, run 76, which doubled its code)
+                # 10.8 with one call per branch, which doubled its code)
                 x1, x2, r = _residual(h_a, d_ptr, n_ff + tl.maximum(L - 1, 0) * D, h_b, cb, M, eps, D, D1, D2, BM)
                 _store(qkv_ptr, _mm(x1, x2, wa1, wa2) * r, cb, M, NQKV, BM, BN)
         elif stage == 1:  # B: attention, a program per head

@@ -28,13 +28,13 @@ def _norm_add_kernel(x_ptr, res_ptr, w_post_ptr, w_ptr, out_ptr, D, eps, sx, sr,
         tl.store(out_ptr + row * so + cols, (x * r * (1.0 + w)).to(out_ptr.dtype.element_ty), mask=m)
 
 
-# The row kernels' launch shapes. Each row's reduction order follows the warp count, so a batch-invariant engine
-# (egemma.engine.tuning) launches them with one shape whatever the batch: INVARIANT_* (the large-batch choices).
-INVARIANT_ROW_WARPS, INVARIANT_QK_WARPS, INVARIANT_POOL_TILE = 2, 1, (128, 32, 4)
+# The row kernels' launch shapes. Each row's reduction order follows the warp count, so a deterministic engine
+# (egemma.engine.tuning) launches them with one shape whatever the batch: DETERMINISTIC_* (the large-batch choices).
+DETERMINISTIC_ROW_WARPS, DETERMINISTIC_QK_WARPS, DETERMINISTIC_POOL_TILE = 2, 1, (128, 32, 4)
 
 
 def _row_warps(T: int, warps: int) -> int:
-    # 2 warps a row on large batches (more rows resident): faster from 4096 tokens (perf/RESULTS.md runs 57-58)
+    # 2 warps a row on large batches (more rows resident): faster from 4096 tokens (perf/engine/bench_norms.py)
     return warps or (2 if T >= 4096 else 4)
 
 
@@ -131,12 +131,12 @@ def _mean_pool_kernel(x_ptr, cu_ptr, out_ptr, D, sx, BLOCK_R: tl.constexpr, BLOC
 
 def mean_pool(x, cu_seqlens, n, *, tile=None):
     """As native.mean_pool in one launch: one program per sequence and column block, stepping down its own rows.
-    tile: (rows a step, columns, warps), fixed whatever the batch (a batch-invariant engine; perf/bench_norms.py),
+    tile: (rows a step, columns, warps), fixed whatever the batch (a deterministic engine; perf/engine/bench_norms.py),
     else by the batch's size."""
     out = torch.empty((n, x.shape[1]), dtype=torch.float32, device=x.device)
     if n:
         # from 4096 tokens 32 columns a program (more programs) and 128 rows a step, below 64 x 64: each faster at its
-        # sizes (perf/RESULTS.md runs 78-79)
+        # sizes (perf/engine/bench_norms.py)
         br, bd, warps = tile or ((128, 32, 4) if x.shape[0] >= 4096 else (64, 64, 4))
         _mean_pool_kernel[(n, triton.cdiv(x.shape[1], bd))](x, cu_seqlens, out, x.shape[1], x.stride(0),
                                                              BLOCK_R=br, BLOCK_D=bd, num_warps=warps)
@@ -182,7 +182,8 @@ def _qk_norm_rope_kernel(qkv_ptr, pos_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, rst
 def qk_norm_rope(qkv, pos, q_w, k_w, cos, sin, heads, kv_heads, eps, rstd, *, warps=0):
     """As native.qk_norm_rope, in one pass over the qkv GEMM output: q/k RMSNorm per head then RoPE from the cos/sin
     tables, v scaled by rstd. qkv [T, (H + 2 Hkv) * Dh] -> q [T, H, Dh], k [T, Hkv, Dh], v [T, Hkv, Dh], all new.
-    warps: a launch shape fixed whatever the batch (a batch-invariant engine; perf/bench_norms.py), else by its size."""
+    warps: a launch shape fixed whatever the batch (a deterministic engine; perf/engine/bench_norms.py), else by its
+    size."""
     T = qkv.shape[0]
     dh = q_w.shape[0]
     if not (rstd.shape == (T,) and rstd.dtype == torch.float32 and rstd.is_contiguous()):
@@ -192,7 +193,7 @@ def qk_norm_rope(qkv, pos, q_w, k_w, cos, sin, heads, kv_heads, eps, rstd, *, wa
     v = torch.empty((T, kv_heads, dh), dtype=qkv.dtype, device=qkv.device)
     if T:
         # 1 warp a token on large batches (more tokens resident): faster at 16k tokens, no difference on small ones
-        # (perf/RESULTS.md runs 57-58)
+        # (perf/engine/bench_norms.py)
         _qk_norm_rope_kernel[(T,)](qkv, pos, q_w, k_w, cos, sin, rstd, q, k, v, qkv.stride(0), eps, H=heads,
                                    HKV=kv_heads, NH=triton.next_power_of_2(heads + kv_heads), HALF=dh // 2,
                                    VB=triton.next_power_of_2(kv_heads * dh), num_warps=warps or (1 if T >= 4096 else 4))
