@@ -101,8 +101,8 @@ def test_kernel_cache_entries_that_differ_from_the_sealed_copy_are_removed(tmp_p
 
 def test_boot_cold_then_warm_logs_every_phase_and_takes_the_cached_paths(checkpoints, tmp_path):
     """perf/serving/boot.py drives the launcher twice on one cache directory: each start logs import, tokenizer /
-    weights, kernels, capture and ready for every instance, the first builds the caches, the second reads them; both stops
-    are clean."""
+    weights, kernels, capture and ready for every instance, the first builds the caches, the second reads them; both
+    stops are clean."""
     out = tmp_path / "boot.json"
     r = subprocess.run([sys.executable, "-m", "perf.serving.boot", str(checkpoints["eos"]), "--out", str(out),
                         "--cache-dir", str(tmp_path / "cache")], capture_output=True, text=True, timeout=900, cwd=ROOT)

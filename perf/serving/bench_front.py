@@ -1,7 +1,7 @@
 """What the HTTP front (egemma.gateway.app) costs, on the GPU host: one ~16-token query over HTTP, direct to
 Triton's own HTTP, through a bare Python byte pipe (perf/serving/proxy_floor.py: the hop alone), through the
-gateway's fast lane and through its aiohttp path (a percent-escape in the query string, which the lane hands over), interleaved on
-one server (a keep-alive http.client connection each);
+gateway's fast lane and through its aiohttp path (a percent-escape in the query string, which the lane hands over),
+interleaved on one server (a keep-alive http.client connection each);
 and the largest request the server takes (64 texts x 1 MB, over gRPC: over HTTP it is a 413) with its time split
 across the models (Triton's statistics).
 
@@ -28,13 +28,13 @@ from pathlib import Path
 import numpy as np
 import tritonclient.grpc as grpcclient
 
-from perf.lib.corpora import make_text, prose
-from perf.lib.pa import model_stats, stats_delta
-
 from egemma.engine.config import ModelConfig
 from egemma.engine.tokenizer import TextTokenizer
 from egemma.ops.front import Front
 from egemma.ops.tritonserver import free_port
+from perf.lib.corpora import make_text, prose
+from perf.lib.pa import model_stats, stats_delta
+from perf.lib.servers import triton
 
 INFER = "/v2/models/embeddinggemma/infer"
 

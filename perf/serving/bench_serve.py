@@ -213,7 +213,7 @@ def main():
                 results[name] = run_suite(tag, s.grpc_url, f"{s.host}:{s.metrics_port}", model,
                                           data[stub_bin is not None], a.out, log, suite)
         except RuntimeError as e:
-            errors = [ln for ln in open(slog.name) if ln.startswith("E")]
+            errors = [ln for ln in open(a.out / f"server_{tag}.log") if ln.startswith("E")]
             print(f"{name}: server failed: {e}\n{''.join(errors)[:1500]}", flush=True)
             continue
         print(f"{name}: {json.dumps(results[name])}", flush=True)
