@@ -8,38 +8,23 @@ import collections
 import random
 import shutil
 import subprocess
-import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import numpy as np
-import tritonclient.grpc as grpcclient
-
-from perf.lib.corpora import make_text, prose
 from egemma.engine.config import ModelConfig
 from egemma.engine.tokenizer import TextTokenizer
 from egemma.ops.procfs import stub_pids
+from perf.lib.corpora import make_text, prose
+from perf.lib.loadgen import Target, one_at_a_time
 from perf.lib.servers import triton
 
 
-def load(url: str, texts: list[str], stop: threading.Event, lat: list):
-    c = grpcclient.InferenceServerClient(url)
-    inputs = []
-    for i in range(0, len(texts), len(texts) // 16 or 1):
-        batch = texts[i:i + max(1, len(texts) // 16)]
-        x = grpcclient.InferInput("TEXT", [len(batch), 1], "BYTES")
-        x.set_data_from_numpy(np.array([[t.encode()] for t in batch], dtype=object))
-        inputs.append(x)
-    k = 0
-    while not stop.is_set():
-        t0 = time.perf_counter()
-        try:
-            c.infer("embeddinggemma", [inputs[k % len(inputs)]])
-        except Exception as e:  # the profile would be of failures: stop and say so
-            lat.append(e)
-            return
-        lat.append(time.perf_counter() - t0)
-        k += 1
+def load(url: str, texts: list[str], seconds: float) -> dict:
+    """16 requests of the texts in turn, back to back (perf/lib/loadgen.py's one_at_a_time), for `seconds`."""
+    n = len(texts) // 16 or 1
+    return one_at_a_time(Target("grpc", url, "embeddinggemma"), [texts[i:i + n] for i in range(0, len(texts), n)],
+                         warmup=3, max_n=10 ** 9, seconds=seconds)
 
 
 def top(raws: list[Path], n: int = 14) -> str:
@@ -77,22 +62,21 @@ def main():
         if not all(pids.values()):
             raise SystemExit(f"no stub process for some model: {pids}")
         for w, texts in work.items():
-            stop, lat = threading.Event(), []
-            t = threading.Thread(target=load, args=(s.grpc_url, texts, stop, lat))
-            t.start()
-            time.sleep(2)  # warm-up (not a sync: only how long before sampling starts)
-            raws = {m: [a.out / f"{w}_{m}_{pid}.txt" for pid in ps] for m, ps in pids.items()}
-            spies = [subprocess.Popen([a.py_spy, "record", "-p", str(pid), "-r", "997", "-d", str(a.seconds),
-                                       "--format", "raw", "-o", str(raw), "--nonblocking"],
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-                     for m, ps in pids.items() for pid, raw in zip(ps, raws[m])]
-            for p in spies:
-                p.wait()
-            stop.set()
-            t.join()
-            if lat and isinstance(lat[-1], Exception):
-                raise SystemExit(f"{w}: a request failed: {lat[-1]}")
-            print(f"== {w}: {len(lat)} requests, p50 {np.median(lat[len(lat) // 4:]) * 1e3:.2f} ms", flush=True)
+            with ThreadPoolExecutor(1) as ex:
+                # the load outlasts the sampling: py-spy's start and its --seconds, after a warm-up
+                running = ex.submit(load, s.grpc_url, texts, a.seconds + 12)
+                time.sleep(2)  # warm-up (not a sync: only how long before sampling starts)
+                raws = {m: [a.out / f"{w}_{m}_{pid}.txt" for pid in ps] for m, ps in pids.items()}
+                spies = [subprocess.Popen([a.py_spy, "record", "-p", str(pid), "-r", "997", "-d", str(a.seconds),
+                                           "--format", "raw", "-o", str(raw), "--nonblocking"],
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+                         for m, ps in pids.items() for pid, raw in zip(ps, raws[m])]
+                for p in spies:
+                    p.wait()
+                r = running.result()
+            if r["errors"]:
+                raise SystemExit(f"{w}: {r['errors']} requests failed")
+            print(f"== {w}: {r['n']} requests, p50 {r['p50_ms']:.2f} ms", flush=True)
             for m in pids:
                 print(f"-- {m} ({len(pids[m])} instances)\n{top(raws[m])}", flush=True)
 
