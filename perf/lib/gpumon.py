@@ -1,14 +1,16 @@
-"""What the host's CPU and GPU do during a benchmark window: all cores' busy jiffies from /proc/stat, and
-nvidia-smi sampling the GPU's utilisation, SM clock and power into a file while open."""
+"""What the host's CPU and GPU do during a benchmark window: all cores' busy time (psutil), and nvidia-smi sampling
+the GPU's utilisation, SM clock and power into a file while open."""
 import statistics
 import subprocess
 from pathlib import Path
 
+import psutil
 
-def cpu_times() -> tuple[int, int]:
-    """(busy, total) jiffies of all cores so far, from /proc/stat."""
-    v = [int(x) for x in open("/proc/stat").readline().split()[1:]]
-    return sum(v) - v[3] - v[4], sum(v)  # idle and iowait are not busy
+
+def cpu_times() -> tuple[float, float]:
+    """(busy, total) CPU seconds of all cores so far."""
+    t = psutil.cpu_times()
+    return sum(t) - t.idle - getattr(t, "iowait", 0.0), sum(t)  # idle and iowait are not busy
 
 
 class GpuMonitor:
