@@ -35,7 +35,8 @@ BAD = ("Exit timeout expired", "Non-graceful termination detected")
 
 def start(ckpt: Path, cache: Path, run_dir: Path, extra: list[str], timeout: float, log_path: Path) -> dict:
     """One start and stop of the launcher: its timeline (see the module docstring). Its output goes to log_path as it
-    comes, so a start that hangs past a device call's limit still shows where."""
+    comes, so a start that hangs past a device call's limit still shows where. The launcher is started here, not by
+    perf/lib/servers.py: what is timed is its own output, line by line, and its stop."""
     ports = [free_port() for _ in range(3)]
     argv = [sys.executable, "-m", "egemma.ops.launcher", "--model", str(ckpt), "--cache-dir", str(cache),
             "--run-dir", str(run_dir), "--http-port", str(ports[0]), "--grpc-port", str(ports[1]),
