@@ -3,7 +3,7 @@
 # (Triton 2.51, the numpy-1.26 stub env, tritonclient + perf_analyzer, sgl-kernel: 53.4 MB, FA3 does not fit beside
 # it), the real Gemma tokenizer's files (3.5 MB) and the wheels the host lacks (orjson, for the gateway).
 #   bash perf/gpu_bundle.sh [CHECKPOINT]    (default ~/.cache/embeddinggemma-300m; fetched there when missing)
-# Then: device run, carry [".gpu"]: bash perf/gpu_run.sh STEP ...   The peers' bundle is perf/peers_bundle.sh's.
+# Then: device run, carry [".gpu"]: bash perf/gpu_run.sh STEP ...   The peers' bundle is perf/peers/peers_bundle.sh's.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SHARED=../shared

@@ -20,7 +20,7 @@ GOOD = make_texts(8, 120, seed=12)
 def broken_tokenizer(checkpoints, tmp_path):
     """The checkpoint's resolved tokenizer.json with its byte fallback off and its BPE unk_token naming a token the
     vocabulary lacks: any character outside the vocabulary makes `tokenizers` raise "Unk token ... not found";
-    other texts get the same ids as before. (Without byte fallback kernels/bpe.c does not serve it: the tokenizer
+    other texts get the same ids as before. (Without byte fallback egemma/kernels/bpe.c does not serve it: the tokenizer
     model runs Hugging Face's.)"""
     from egemma.engine.tokenizer import resolved_tokenizer_json
     raw = resolved_tokenizer_json(checkpoints["eos"])

@@ -1,4 +1,4 @@
-"""kernels/bpe.c, our C tokenizer, against its reference, Hugging Face `tokenizers` on the same tokenizer.json:
+"""egemma/kernels/bpe.c, our C tokenizer, against its reference, Hugging Face `tokenizers` on the same tokenizer.json:
 the same ids for every text, one at a time and as parallel batches, cold and from its word cache."""
 import json
 import os
@@ -23,8 +23,8 @@ from egemma.kernels import bpe
 def compiler():
     if not (shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")):
         if os.environ.get("CI"):
-            pytest.fail("no C compiler: kernels/bpe.c cannot be built, and CI must test it")
-        pytest.skip("no C compiler to build kernels/bpe.c")
+            pytest.fail("no C compiler: egemma/kernels/bpe.c cannot be built, and CI must test it")
+        pytest.skip("no C compiler to build egemma/kernels/bpe.c")
 
 
 def with_bytes(raw: str) -> str:

@@ -1,7 +1,7 @@
 """The cache directory's contents, each reused when sound and rebuilt with a warning when not: the fused weights
 (egemma.engine.weights), the resolved tokenizer (egemma.engine.tokenizer), Triton-lang's kernels (sealed and checked
 by egemma.ops.cachedir); an unwritable cache directory serves without caching. Then the launcher itself, cold and
-warm, through perf/boot.py: every instance's boot phases logged, the second start on the cached paths."""
+warm, through perf/serving/boot.py: every instance's boot phases logged, the second start on the cached paths."""
 import json
 import logging
 import subprocess
@@ -100,12 +100,12 @@ def test_kernel_cache_entries_that_differ_from_the_sealed_copy_are_removed(tmp_p
 
 
 def test_boot_cold_then_warm_logs_every_phase_and_takes_the_cached_paths(checkpoints, tmp_path):
-    """perf/boot.py drives the launcher twice on one cache directory: each start logs import, tokenizer / weights,
-    kernels, capture and ready for every instance, the first builds the caches, the second reads them; both stops
-    are clean."""
+    """perf/serving/boot.py drives the launcher twice on one cache directory: each start logs import, tokenizer /
+    weights, kernels, capture and ready for every instance, the first builds the caches, the second reads them; both
+    stops are clean."""
     out = tmp_path / "boot.json"
-    r = subprocess.run([sys.executable, str(ROOT / "perf" / "boot.py"), str(checkpoints["eos"]), "--out", str(out),
-                        "--cache-dir", str(tmp_path / "cache")], capture_output=True, text=True, timeout=900)
+    r = subprocess.run([sys.executable, "-m", "perf.serving.boot", str(checkpoints["eos"]), "--out", str(out),
+                        "--cache-dir", str(tmp_path / "cache")], capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     print(r.stdout)
     runs = json.loads(out.read_text())

@@ -1,7 +1,7 @@
 """One text, one vector: the same bits whatever else is in the batch, whichever encoder instance serves it, through
 every protocol (KServe gRPC and HTTP, OpenAI float and base64, TEI), and for token ids as for their text. On CPU the
 engine pads its tokens to a multiple of 16 and pools each sequence alone (egemma.engine.engine.forward_eager); on the
-GPU the kernel choices do it (egemma.kernels.tuning). Every comparison is np.array_equal."""
+GPU the kernel choices do it (egemma.engine.tuning). Every comparison is np.array_equal."""
 import base64
 import concurrent.futures as cf
 

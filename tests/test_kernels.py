@@ -6,8 +6,9 @@ import torch
 CUDA = torch.cuda.is_available()  # without one, conftest.py put Triton in interpreter mode
 pytest.importorskip("triton")
 
-from egemma.kernels import fused_gemm, native, select, triton_ops  # noqa: E402
-from egemma.kernels.select import available_norm_backends, make_ops  # noqa: E402
+from egemma.engine import select  # noqa: E402
+from egemma.kernels import fused_gemm, native, triton_ops  # noqa: E402
+from egemma.engine.select import available_norm_backends, make_ops  # noqa: E402
 
 DEV = torch.device("cuda" if CUDA else "cpu")
 DTYPE = torch.bfloat16 if CUDA else torch.float32
@@ -104,7 +105,7 @@ def test_mlp_up(T, D, I):
     r_want = r.clone()
     want = native.mlp_up(x.clone(), r_want, w_post, w, 1e-6)
     cands = [select._fused(t, triton_ops.norm_add_rstd) for t in TILES] + [
-        make_ops(b, DEV, DTYPE, D, invariant).mlp_up for b in available_norm_backends(DEV) for invariant in (0, 1)]
+        make_ops(b, DEV, DTYPE, D, det).mlp_up for b in available_norm_backends(DEV) for det in (0, 1)]
     if CUDA:
         names = [select.UNFUSED, str(TILES[0]), str(TILES[-1])]
         cands.append(select.build_ops({"norm_add_norm": "triton", "gelu_tanh_and_mul": "triton"}, names, DEV, DTYPE, D,
@@ -148,12 +149,12 @@ def test_mean_pool(lengths, D):
 
 @pytest.mark.skipif(not CUDA, reason="the interpreter has no warps: every launch shape sums alike there")
 @pytest.mark.parametrize("backend", ["triton", "sgl-kernel"])
-def test_invariant_ops_give_a_row_the_same_bits_in_any_batch(backend):
-    """The ops of a batch-invariant engine (build_ops(invariant=True)): a row among 7 rows and among 5000 (past 4096,
+def test_deterministic_ops_give_a_row_the_same_bits_in_any_batch(backend):
+    """The ops of a deterministic engine (build_ops(deterministic=True)): a row among 7 rows and among 5000 (past 4096,
     where the size-dependent launch shapes switch) has the same bits, as does a sequence's mean."""
     if backend not in available_norm_backends(DEV):
         pytest.skip(f"{backend} not installed")
-    ops, big, few, D = make_ops(backend, DEV, DTYPE, 768, invariant=True), 5000, 7, 768
+    ops, big, few, D = make_ops(backend, DEV, DTYPE, 768, deterministic=True), 5000, 7, 768
     x, r, w, qkv = rand(big, D, scale=3), rand(big, D, scale=10), rand(D, scale=0.5), rand(1, 1280)
     for f in (lambda T: ops.norm_add_rstd(x[:T].clone(), r[:T].clone(), w, 1e-6),
               lambda T: ops.norm_add_norm(x[:T].clone(), r[:T].clone(), w, w, 1e-6),
@@ -167,7 +168,7 @@ def test_invariant_ops_give_a_row_the_same_bits_in_any_batch(backend):
 
 @pytest.mark.parametrize("lengths", [[5, 9], [1, 20, 7]])  # 20: |i - j| up to 19, past the small window's 16
 def test_layer_stack_matches_the_layered_forward(checkpoints, lengths):
-    """kernels/layer_stack.py against Encoder.forward, in the CUDA graphs' batch layout (the padding one more
+    """egemma/kernels/layer_stack.py against Encoder.forward, in the CUDA graphs' batch layout (the padding one more
     sequence, unused slots empty). CPU: the interpreter, a launch a phase, fp32, native ops; GPU: bf16, one launch
     with grid barriers, the same as a launch a phase bit for bit."""
     from egemma.engine.config import ModelConfig

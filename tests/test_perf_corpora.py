@@ -1,17 +1,13 @@
-"""The benchmarks' texts (perf/corpora.py) hold the token counts they promise, with the checkpoint's tokenizer:
-the peers comparison (perf/peers.py) relies on no text going over a server's 2048-token limit, where servers differ
-(ours and sentence-transformers truncate, vLLM rejects)."""
+"""The benchmarks' texts (perf/lib/corpora.py) hold the token counts they promise, with the checkpoint's tokenizer:
+the peers comparison (perf/peers/peers.py) relies on no text going over a server's 2048-token limit, where servers
+differ (ours and sentence-transformers truncate, vLLM rejects)."""
 import random
-import sys
 
 import pytest
 
 from egemma.engine.config import ModelConfig
 from egemma.engine.tokenizer import TextTokenizer
-from egemma.ops.repository import ROOT
-
-sys.path.insert(0, str(ROOT / "perf"))
-import corpora  # noqa: E402  (perf/ is scripts, not a package)
+from perf.lib import corpora
 
 
 @pytest.fixture(scope="module")

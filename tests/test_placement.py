@@ -187,7 +187,8 @@ def test_served_instances_log_their_device_and_stamp_heartbeats(server):
     assert all(line.rstrip().endswith((" on cpu", " on cuda:0")) for line in lines), lines
     tokenizers = [m for m in stub_pids(server.proc.pid).values() if "embeddinggemma_tokenizer" in m]
     lines = [line for line in log.splitlines() if "egemma: tokenizer backend" in line]
-    assert len(lines) == len(tokenizers) >= 1 and all("backend c (kernels/bpe.c" in line for line in lines), lines
+    assert len(lines) == len(tokenizers) >= 1 and all("backend c (egemma/kernels/bpe.c" in line for line in lines), \
+        lines
     beats = read_heartbeats(server.heartbeat_dir)
     assert set(beats) >= {"embeddinggemma_encoder_0_0", "embeddinggemma_tokenizer_0_0"}, beats
     assert {pid for _, _, pid, _ in beats.values()} <= set(stub_pids(server.proc.pid))

@@ -1,4 +1,4 @@
-"""The tuning file (egemma.kernels.tuning): every load-time choice made once per setup and read by every other
+"""The tuning file (egemma.engine.tuning): every load-time choice made once per setup and read by every other
 instance and restart; N engines starting together tune once; a corrupt or foreign file is tuned again with a
 warning; an unwritable cache directory tunes in memory with a warning. In-process engines, then a real server's
 instances and its restart."""

@@ -1,5 +1,6 @@
-"""The engine: a checkpoint's config and weights, the packed varlen Gemma3 encoder, its CUDA graphs and the
-tokenizer. It imports nothing from egemma.stub, egemma.gateway or egemma.ops, so it runs and is tested without Triton."""
+"""The engine: a checkpoint's config and weights, the packed varlen Gemma3 encoder, the choice of its kernels
+(select, tuning), its CUDA graphs and the tokenizer. It imports nothing from egemma.stub, egemma.gateway or
+egemma.ops, so it runs and is tested without Triton."""
 
 __all__ = ["Engine", "EngineConfig"]
 

@@ -1,4 +1,4 @@
-"""A model instance's boot timeline: one log line per phase, all with PREFIX, that perf/boot.py reads back from
+"""A model instance's boot timeline: one log line per phase, all with PREFIX, that perf/serving/boot.py reads back from
 the server's log. A phase line says when the phase ended (wall clock, comparable across the host's processes) and
 how long it took:
 
@@ -18,6 +18,8 @@ import signal
 import sys
 import time
 
+import psutil
+
 PREFIX = "egemma boot:"
 log = logging.getLogger("egemma")
 _instance = "-"
@@ -25,15 +27,8 @@ _last: float | None = None
 
 
 def process_start() -> float:
-    """This process's start, as a Unix time (/proc/self/stat's start time after the host's boot time)."""
-    try:
-        with open("/proc/self/stat") as f:
-            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-        with open("/proc/stat") as f:
-            btime = next(int(line.split()[1]) for line in f if line.startswith("btime"))
-        return btime + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, StopIteration):
-        return time.time()
+    """This process's start, as a Unix time."""
+    return psutil.Process().create_time()
 
 
 def begin(instance: str):

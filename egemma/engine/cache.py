@@ -1,5 +1,5 @@
 """The cache directory of one deployment (`--cache-dir`, default ~/.cache/egemma), shared by every model instance,
-every restart and the launcher: the tuning file (egemma.kernels.select), Triton-lang's compiled kernels, the
+every restart and the launcher: the tuning file (egemma.engine.tuning), Triton-lang's compiled kernels, the
 weights in the dtype served. The launcher exports it as $EGEMMA_CACHE_DIR to every process it starts."""
 from __future__ import annotations
 

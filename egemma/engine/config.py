@@ -65,7 +65,7 @@ class ModelConfig:
         return self.dense[-1].out_features if self.dense else self.hidden
 
     def shape(self) -> dict:
-        """What the kernels' timing depends on (egemma.kernels.tuning's key)."""
+        """What the kernels' timing depends on (egemma.engine.tuning's key)."""
         return dict(vocab=self.vocab_size, hidden=self.hidden, layers=self.layers, heads=self.heads,
                     kv_heads=self.kv_heads, head_dim=self.head_dim, intermediate=self.intermediate, window=self.window,
                     sliding=list(self.sliding), out_dim=self.out_dim, positions=self.max_positions)

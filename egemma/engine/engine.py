@@ -15,8 +15,8 @@ from egemma.engine.config import ModelConfig
 from egemma.engine.graphs import GraphRunner, bucket_sizes
 from egemma.engine.ids import problem
 from egemma.engine.model import Encoder, Packed
-from egemma.kernels import tuning
-from egemma.kernels.select import ATTENTION_BACKENDS, attention_fn, available_attention_backends, build_ops
+from egemma.engine import tuning
+from egemma.engine.select import ATTENTION_BACKENDS, Ops, attention_fn, available_attention_backends, build_ops
 
 log = logging.getLogger("egemma")
 
@@ -35,8 +35,8 @@ class EngineConfig:
     max_tokens: int = 16384  # tokens per forward; the largest graph bucket. Larger batches are split.
     max_seqs: int = 256  # sequences per forward
     # one kernel choice per op for every batch: a sequence's embedding has the same bits whatever it is batched with
-    # (egemma.kernels.tuning). Off by default: one query costs 26% more engine time on the H200 (no layer stack;
-    # perf/RESULTS.md, "Determinism", run 124)
+    # (egemma.engine.tuning). Off by default: one query costs 26% more engine time on the H200 (no layer stack;
+    # perf/RESULTS.md, "Determinism")
     deterministic: bool = False
 
     @classmethod
@@ -52,46 +52,74 @@ class EngineConfig:
         return cls(checkpoint=checkpoint, **kw)
 
 
+def placement(ec: EngineConfig) -> tuple[torch.device, str]:
+    """The device (concrete, cuda:N: what the logs and the graphs name) and dtype name that ec asks for."""
+    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if ec.device == "auto" else ec.device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    dtype = ec.dtype if ec.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported (choose from {list(DTYPES)}; fp16 overflows)")
+    return device, dtype
+
+
+def attention_candidates(device: torch.device, backend: str) -> list[str]:
+    """The attention backends the kernel choice may time: every one available, or the one asked for."""
+    have = available_attention_backends(device)
+    if backend != "auto" and backend not in have:
+        raise RuntimeError(f"attention backend {backend!r} is not available on {device} (available: {have}; known: "
+                           f"{ATTENTION_BACKENDS})")
+    return have if backend == "auto" else [backend]
+
+
 class Engine:
     def __init__(self, ec: EngineConfig):
+        """The boot, top-down: the model on its device, its kernels chosen (read from the tuning file, else timed),
+        the CUDA graphs captured with them."""
         t0 = time.perf_counter()
         self.ec = ec
-        self.cfg = cfg = ModelConfig.load(ec.checkpoint)
-        device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if ec.device == "auto" else ec.device)
-        if device.type == "cuda" and device.index is None:  # concrete, cuda:N: what the logs and the graphs name
-            device = torch.device("cuda", torch.cuda.current_device())
-        self.device = device
-        dtype = ec.dtype if ec.dtype != "auto" else ("bfloat16" if self.device.type == "cuda" else "float32")
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype {dtype!r} is not supported (choose from {list(DTYPES)}; fp16 overflows)")
-        if ec.max_tokens < cfg.max_seq_length:
-            raise ValueError(f"max_tokens {ec.max_tokens} < max_seq_length {cfg.max_seq_length}")
-        tuning.gpu_settings(self.device, ec.cuda_graphs)
-        self.model = Encoder(cfg, DTYPES[dtype], self.device)
-        # the Dense GEMM on one row count whatever the batch: its rows' bits then never depend on the batch
-        self.model.head.rows = ec.max_seqs if ec.deterministic else 0
-        buckets = bucket_sizes(ec.max_tokens)
-        have = available_attention_backends(self.device)
-        if ec.attention_backend != "auto" and ec.attention_backend not in have:
-            raise RuntimeError(f"attention backend {ec.attention_backend!r} is not available on {self.device} "
-                               f"(available: {have}; known: {ATTENTION_BACKENDS})")
-        self.attn_candidates = have if ec.attention_backend == "auto" else [ec.attention_backend]
-        self.graphs = GraphRunner(self.model, buckets, ec.max_seqs) if self.device.type == "cuda" else None
+        self.cfg = ModelConfig.load(ec.checkpoint)
+        self.device, self.dtype = placement(ec)
+        if ec.max_tokens < self.cfg.max_seq_length:
+            raise ValueError(f"max_tokens {ec.max_tokens} < max_seq_length {self.cfg.max_seq_length}")
+        self.model = self.load()
+        self.attn_candidates = attention_candidates(self.device, ec.attention_backend)
+        self.buckets = bucket_sizes(ec.max_tokens)
+        self.graphs = GraphRunner(self.model, self.buckets, ec.max_seqs) if self.device.type == "cuda" else None
         t1 = time.perf_counter()
-        fp = tuning.fingerprint(self.device, dtype=dtype, shape=cfg.shape(), max_tokens=ec.max_tokens,
+        self.choices, self.ops = self.choose_kernels()
+        t2 = time.perf_counter()
+        self.capture()
+        log.info("egemma: %s on %s %s, deterministic=%s, %s, CUBLAS_WORKSPACE_CONFIG=%s; load %.1fs, kernel choice "
+                 "%.1fs, graphs %.1fs", self.cfg.path, self.device, self.dtype, ec.deterministic,
+                 self.choices.summary(), os.environ.get("CUBLAS_WORKSPACE_CONFIG"), t1 - t0, t2 - t1,
+                 time.perf_counter() - t2)
+        self.stats = {"graph_replays": 0, "eager_runs": 0, "tokens": 0}
+
+    def load(self) -> Encoder:
+        """The encoder's weights on the device, the process's GPU settings made before its first cuBLAS call."""
+        tuning.gpu_settings(self.device, self.ec.cuda_graphs)
+        model = Encoder(self.cfg, DTYPES[self.dtype], self.device)
+        # the Dense GEMM on one row count whatever the batch: its rows' bits then never depend on the batch
+        model.head.rows = self.ec.max_seqs if self.ec.deterministic else 0
+        return model
+
+    def choose_kernels(self) -> tuple[tuning.Choices, Ops]:
+        """Every load-time kernel choice, read from the tuning file this setup shares, else timed here and saved."""
+        ec = self.ec
+        fp = tuning.fingerprint(self.device, dtype=self.dtype, shape=self.cfg.shape(), max_tokens=ec.max_tokens,
                                 max_seqs=ec.max_seqs, deterministic=ec.deterministic, norm_backend=ec.norm_backend,
                                 attention=self.attn_candidates)
-        self.choices = tuning.settle(fp, cache_dir(), lambda: tuning.tune(
-            self.model, self.graphs, buckets, self.attn_candidates, ec.max_tokens, ec.norm_backend, ec.deterministic))
-        self.ops = build_ops(self.choices.norms, self.choices.mlp_up, self.device, self.model.dtype, cfg.hidden, buckets,
-                             ec.deterministic)
-        t2 = time.perf_counter()
+        choices = tuning.settle(fp, cache_dir(), lambda: tuning.tune(
+            self.model, self.graphs, self.buckets, self.attn_candidates, ec.max_tokens, ec.norm_backend,
+            ec.deterministic))
+        return choices, build_ops(choices.norms, choices.mlp_up, self.device, self.model.dtype, self.cfg.hidden,
+                                  self.buckets, ec.deterministic)
+
+    def capture(self):
+        """Every CUDA graph, with the chosen kernels (on a GPU, unless cuda_graphs is off)."""
         if self.graphs is not None:
-            self.graphs.setup(self.ops, self.choices.attention, self.choices.stack, ec.cuda_graphs)
-        log.info("egemma: %s on %s %s, deterministic=%s, %s, CUBLAS_WORKSPACE_CONFIG=%s; load %.1fs, kernel choice "
-                 "%.1fs, graphs %.1fs", cfg.path, self.device, dtype, ec.deterministic, self.choices.summary(),
-                 os.environ.get("CUBLAS_WORKSPACE_CONFIG"), t1 - t0, t2 - t1, time.perf_counter() - t2)
-        self.stats = {"graph_replays": 0, "eager_runs": 0, "tokens": 0}
+            self.graphs.setup(self.ops, self.choices.attention, self.choices.stack, self.ec.cuda_graphs)
 
     def check(self, ids: np.ndarray, longest: int | None = None) -> str | None:
         """Why these ids (one sequence, or several rows' ids flattened, the longest row `longest` long) cannot be
@@ -129,7 +157,7 @@ class Engine:
     def forward_eager(self, ids: np.ndarray, lengths: list[int]) -> torch.Tensor:
         """fp32 [len(lengths), out_dim] without graphs (the CPU's path). Deterministic: the tokens padded to a multiple
         of EAGER_ROWS by one more sequence, which pooling skips: the CPU's GEMMs give a row the same bits at any such
-        row count, not at a few rows (README, "One text, one vector")."""
+        row count, not at a few rows."""
         n, pad = len(lengths), (-ids.size) % EAGER_ROWS if self.ec.deterministic else 0
         if pad:
             ids, lengths = np.concatenate([ids, np.full(pad, self.cfg.pad_id, ids.dtype)]), [*lengths, pad]

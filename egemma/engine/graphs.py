@@ -2,8 +2,9 @@
 class), captured largest-first into one memory pool. A batch replays the smallest graph that holds it: the
 padding tokens form one extra sequence that pooling ignores, and unused sequence slots are empty
 (cu_seqlens repeats). Attention's grid follows max_seqlen, so short-sequence batches get graphs with a small
-one. The attention backend of each graph and layer type is picked by timing at load (egemma.kernels.select), and
-so is, for the smallest buckets, the layer stack as one kernel (kernels/layer_stack.py) against the layered forward."""
+one. The attention backend of each graph and layer type is picked by timing at load (egemma.engine.tuning), and
+so is, for the smallest buckets, the layer stack as one kernel (egemma/kernels/layer_stack.py) against the layered
+forward."""
 from __future__ import annotations
 
 import logging
@@ -14,7 +15,7 @@ import numpy as np
 import torch
 
 from egemma.engine.model import Encoder, Packed
-from egemma.kernels.select import Ops, attention_fn, time_ms
+from egemma.engine.select import Ops, attention_fn, time_ms
 
 log = logging.getLogger("egemma")
 
@@ -51,11 +52,11 @@ class GraphRunner:
         self.meta = torch.zeros(size, dtype=torch.int64, device=dev)
         self.staging = torch.zeros(size, dtype=torch.int64, pin_memory=True)
         # numpy views of each bucket's staged inputs, made once: a query's host work before its replay is what a
-        # stub woken from its wait pays several times over (perf/RESULTS.md run 92)
+        # stub woken from its wait pays several times over
         self.staged = {t: (v.ids.numpy(), v.pos.numpy(), v.cu_seqlens.numpy())
                        for t in buckets for v in [self.vars(self.staging, t)]}
         self.arange = np.arange(buckets[-1], dtype=np.int64)
-        # the embeddings come back through pinned memory: a pageable .cpu() was slower (perf/RESULTS.md run 87)
+        # the embeddings come back through pinned memory: a pageable .cpu() was slower
         self.results = torch.zeros((max_seqs, c.out_dim), dtype=torch.float32, pin_memory=True)
         self.keys = [(t, m) for t in buckets for m in sorted({min(m, t) for m in self.classes})]
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -66,7 +67,7 @@ class GraphRunner:
         return f"{key[0]}/{key[1]}"
 
     def setup(self, ops: Ops, attention: dict[str, list[str]], stack: list[str], capture: bool):
-        """The chosen kernels (egemma.kernels.tuning.Choices: attention per graph name, the graphs run as the layer
+        """The chosen kernels (egemma.engine.tuning.Choices: attention per graph name, the graphs run as the layer
         stack); capture: every graph now (attention chosen: native attention syncs, so it has none)."""
         self.ops = ops
         self.attn = {k: tuple(attention.get(self.name(k), ("native", "native"))) for k in self.keys}
@@ -91,8 +92,8 @@ class GraphRunner:
         before = (torch.cuda.memory_allocated(dev), torch.cuda.memory_reserved(dev),
                   torch.cuda.max_memory_allocated(dev))  # the weights, and the kernel choice's leftovers and peak
         # One side stream for every warm-up and capture: cuBLAS, when it has a workspace (the engine's default is
-        # none), keeps 32 MiB of it per stream for good, and a fresh stream per graph held 1.03 GiB of them (issue
-        # #12's per-instance memory; perf/RESULTS.md run 32).
+        # none), keeps 32 MiB of it per stream for good, and a fresh stream per graph held 1.03 GiB of them (the
+        # per-instance memory budget).
         s = torch.cuda.Stream(dev)
         for k in reversed(self.keys):
             self._fill_dummy(k)
@@ -110,7 +111,7 @@ class GraphRunner:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()  # the kernel choice's and the warm-ups' blocks: only the graphs' pool is used now
         took = time.perf_counter() - t0
-        gib = 2 ** -30  # what each stage holds, for the per-instance memory budget (perf/RESULTS.md, issue #12)
+        gib = 2 ** -30  # what each stage holds, for the per-instance memory budget (perf/RESULTS.md, Memory)
         log.info("egemma: %d CUDA graphs captured in %.1fs; GPU memory allocated %.2f -> %.2f GiB, reserved %.2f -> "
                  "%.2f GiB, peak %.2f -> %.2f GiB", len(self.graphs), took, before[0] * gib,
                  torch.cuda.memory_allocated(dev) * gib, before[1] * gib, torch.cuda.memory_reserved(dev) * gib,
@@ -177,7 +178,7 @@ class GraphRunner:
         np.copyto(out, self.results[:n].numpy())
         return out, replay
 
-    # The timers egemma.kernels.tuning chooses with: each on a full batch of the graph's shape.
+    # The timers egemma.engine.tuning chooses with: each on a full batch of the graph's shape.
     def stack_supported(self, key: tuple[int, int]) -> bool:
         """Whether the layer stack kernel can run this graph: bf16 and a GPU and model shape it supports."""
         from egemma.kernels import layer_stack

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from egemma.engine.config import ModelConfig
 from egemma.engine.weights import check, read_safetensors
-from egemma.kernels.select import Ops
+from egemma.engine.select import Ops
 
 
 class Head:

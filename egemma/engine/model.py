@@ -19,7 +19,7 @@ from egemma.engine import weights
 from egemma.engine.config import ModelConfig
 from egemma.engine.head import Head
 from egemma.kernels import native
-from egemma.kernels.select import Ops
+from egemma.engine.select import Ops
 
 
 @dataclass
@@ -56,7 +56,7 @@ class Encoder:
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device):
         self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
         # each weight of every layer is a view of one [layers, ...] tensor: the layer-stack kernel reads them all
-        # through one pointer (kernels/layer_stack.py)
+        # through one pointer (egemma/kernels/layer_stack.py)
         g, self.stacked = weights.load(cfg, self.device, dtype)
         self.embed, self.final_norm = g["embed"], g["final_norm"]  # [V, D], [D]
         self.embed_scale = torch.tensor(cfg.hidden ** 0.5, dtype=dtype)  # rounded to dtype, as transformers does
@@ -71,7 +71,7 @@ class Encoder:
         self.head = Head(cfg, self.device)
 
     def weight_bytes(self) -> int:
-        """Bytes of the weights held on the device (the per-instance memory budget: perf/RESULTS.md, issue #12)."""
+        """Bytes of the weights held on the device (the per-instance memory budget)."""
         ts = [self.embed, self.final_norm, *self.stacked.values(), *(t for t in self.head.dense if t is not None)]
         return sum(t.numel() * t.element_size() for t in ts)
 
@@ -92,8 +92,8 @@ class Encoder:
         return ops.norm_add_norm(d, h, self.layers[-1].post_ff_norm, self.final_norm, c.eps)  # pooling reads it
 
     def forward_stack(self, b: Packed, ops: Ops, **kw) -> torch.Tensor:
-        """forward(b) with the layer stack as one kernel (kernels/layer_stack.py, at most its MAX_TOKENS tokens; kw:
-        its layers()' sync and times)."""
+        """forward(b) with the layer stack as one kernel (egemma/kernels/layer_stack.py, at most its MAX_TOKENS
+        tokens; kw: its layers()' sync and times)."""
         from egemma.kernels import layer_stack
         c = self.cfg
         h, _ = ops.embed(b.ids, self.embed, self.embed_scale, c.eps)  # the kernel works out the row scales itself

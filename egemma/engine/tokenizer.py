@@ -22,7 +22,7 @@ from egemma.engine.cpus import usable_cores
 from egemma.kernels import bpe
 
 TOKENIZER_BACKENDS = ("auto", "c", "tokenizers")
-C_PIECE_BYTES = 1024  # kernels/bpe.c's pieces: 512-1024 bytes were fastest on the GPU host (perf/RESULTS.md run 41)
+C_PIECE_BYTES = 1024  # egemma/kernels/bpe.c's pieces: 512-1024 bytes were fastest on the GPU host
 
 log = logging.getLogger("egemma")
 
@@ -88,7 +88,7 @@ def resolve_ahead(path) -> threading.Thread | None:
     """On a cache miss, resolve into the cache on a thread of this process, holding the cache's lock from before
     this returns: processes started next (the tokenizer model's instances) wait on it and read the entry, so they
     never import transformers themselves, which a stub's environment may not manage (numpy 1.26 against a host's
-    numpy-2 builds of scipy: perf/RESULTS.md run 126). None where there is nothing to do."""
+    numpy-2 builds of scipy). None where there is nothing to do."""
     if not os.environ.get(ENV) or _read(entry := _entry(path)) is not None or unwritable(entry.parent):
         return None
     t = threading.Thread(target=_fill, args=(path, entry, _lock(entry)), name="egemma-tokenizer-resolve", daemon=True)
@@ -116,7 +116,7 @@ class TextTokenizer:
         """tokenizer_json: a file written from `resolved_tokenizer_json` (the server's launcher writes one from its
         cache); where it is missing, it is taken from the cache (cached_tokenizer_json; on a cold cache the launcher
         resolves it there while the models load: resolve_ahead) and written there, for the gateway. backend: "c"
-        (kernels/bpe.c: the same ids, several times faster), "tokenizers" (Hugging Face's), or "auto": c where it
+        (egemma/kernels/bpe.c: the same ids, several times faster), "tokenizers" (Hugging Face's), or "auto": c where it
         reproduces this tokenizer and builds here, else tokenizers; the choice is logged. Asking for c where it cannot
         be is an error. threads: the C tokenizer's pool beside the calling thread (default: one per other usable
         core)."""
@@ -156,7 +156,7 @@ class TextTokenizer:
         self.backend = "c" if self.bpe else "tokenizers"
         self.piece_bytes = C_PIECE_BYTES  # the C tokenizer's pieces (tokenizers': the chunker's chunk_chars)
         log.info("egemma: tokenizer backend %s%s, %s", self.backend, f" ({why})" if why else
-                 f" (kernels/bpe.c, {self.bpe.threads + 1} threads)",
+                 f" (egemma/kernels/bpe.c, {self.bpe.threads + 1} threads)",
                  f"one piece per text ({self.chunker.why_not})" if self.chunker.why_not
                  else f"texts in pieces of ~{self.piece_bytes} bytes, tokenised in parallel" if self.bpe
                  else f"texts in pieces of ~{self.chunker.chunk_chars} characters, tokenised in parallel")

@@ -49,10 +49,10 @@ LAYER: dict[str, tuple[str, Shape]] = {
 }
 # Fields whose parts are interleaved row by row instead, in the table's order: gate row j, then up row j (so gate
 # before up above), so that the fused gate_up + gelu kernel finds each pair in adjacent accumulator columns
-# (kernels/fused_gemm.py); every gelu_and_mul reads that order.
+# (egemma/kernels/fused_gemm.py); every gelu_and_mul reads that order.
 INTERLEAVED = {"gate_up"}
 # Norms whose (1 + w) is multiplied into the columns of the GEMM they feed, at load in fp32: the norm then only
-# scales each row and its output is never written. gate_up's epilogue takes the row scale (egemma.kernels.select,
+# scales each row and its output is never written. gate_up's epilogue takes the row scale (egemma.engine.select,
 # mlp_up); qkv's needs none for q and k, which are RMS-normalised per head after it, and v takes it in qk_norm_rope.
 FOLDED = {"input_norm": "qkv", "pre_ff_norm": "gate_up"}
 GLOBAL: dict[str, tuple[str, Shape]] = {

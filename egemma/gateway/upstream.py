@@ -1,6 +1,6 @@
 """A lean pooled HTTP/1.1 client for the gateway's one upstream, Triton's own HTTP on loopback: keep-alive
 connections reused one request at a time, Content-Length and chunked answers. aiohttp's client spends ~4x the CPU
-per request here, and this is the path whose added latency the front must keep small (perf/bench_front.py): a
+per request here, and this is the path whose added latency the front must keep small (perf/serving/bench_front.py): a
 connection frames each answer and hands on its bytes as they came (send_raw, for the fast lane: a callback, no task,
 no future); send() and request() split them into status, headers and body."""
 from __future__ import annotations

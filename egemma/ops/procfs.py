@@ -1,12 +1,14 @@
-"""What /proc says about the server's processes: children and their argv, state, start time, resident memory, CPU
-time. One parser of /proc/PID/stat serves them all. And waiting for a started process to come up (wait_up), which
-a stop asked for meanwhile cancels."""
+"""What the OS says about the server's processes, through psutil: children and their argv, state, start time,
+resident memory, CPU time, connections to a port. And waiting for a process to exit (wait_exit, end_group) or to
+come up (wait_up), which a stop asked for meanwhile cancels."""
 from __future__ import annotations
 
 import os
 import signal
 import subprocess
 import time
+
+import psutil
 
 STUB = "triton_python_backend_stub"
 
@@ -15,33 +17,28 @@ class Cancelled(Exception):
     """A stop was asked for while waiting for a process to come up (wait_up's cancel)."""
 
 
-def stat(pid: int) -> list[str] | None:
-    """Fields of /proc/PID/stat after "(comm)" (which may hold spaces): state is [0], ppid [1], process group [2],
-    utime [11], stime [12], starttime [19] (fields 3, 4, 5, 14, 15, 22 of proc(5)); None if pid is gone."""
+def _status(pid: int) -> str | None:
+    """pid's psutil status (psutil.STATUS_*), None if it is gone."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()
-    except OSError:
+        return psutil.Process(pid).status()
+    except psutil.Error:
         return None
 
 
 def argv(pid: int) -> list[str]:
     try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
-    except OSError:
+        return psutil.Process(pid).cmdline()
+    except psutil.Error:
         return []
-
-
-def _live(field: int, value: int) -> list[int]:
-    """Live (not zombie) processes whose stat field [field] is value."""
-    return [int(d) for d in os.listdir("/proc") if d.isdigit() and (s := stat(int(d))) and int(s[field]) == value
-            and s[0] != "Z"]
 
 
 def children(pid: int) -> dict[int, list[str]]:
     """{child pid: argv} for the live (not zombie) children of pid."""
-    return {p: a for p in _live(1, pid) if (a := argv(p))}
+    try:
+        kids = psutil.Process(pid).children()
+    except psutil.Error:
+        return {}
+    return {k.pid: a for k in kids if _status(k.pid) not in (None, psutil.STATUS_ZOMBIE) and (a := argv(k.pid))}
 
 
 def stub_pids(server_pid: int) -> dict[int, str]:
@@ -50,13 +47,20 @@ def stub_pids(server_pid: int) -> dict[int, str]:
 
 
 def group(pgid: int) -> list[int]:
-    """Live (not zombie) processes of process group pgid."""
-    return _live(2, pgid)
+    """Live (not zombie) processes of process group pgid (psutil has no process groups: os.getpgid names each's)."""
+    out = []
+    for p in psutil.pids():
+        try:
+            if os.getpgid(p) == pgid and _status(p) not in (None, psutil.STATUS_ZOMBIE):
+                out.append(p)
+        except OSError:  # gone meanwhile
+            pass
+    return out
 
 
 def kill_group(pgid: int, timeout: float) -> list[int]:
     """SIGKILL every process of group pgid and wait (polling, up to timeout) until none is left; the pids that
-    outlived it. The caller reaps its own child, the group's leader."""
+    outlived it. The caller reaps its own child, the group's leader (psutil.wait_procs would reap it here)."""
     deadline = time.monotonic() + timeout
     while left := group(pgid):
         try:
@@ -69,11 +73,13 @@ def kill_group(pgid: int, timeout: float) -> list[int]:
     return []
 
 
-def identity(pid: int) -> tuple[int, int] | None:
-    """(pid, its start time in clock ticks since boot): names one process even after its pid is reused; None if
-    pid is gone or a zombie."""
-    s = stat(pid)
-    return None if s is None or s[0] == "Z" else (pid, int(s[19]))
+def identity(pid: int) -> tuple[int, float] | None:
+    """(pid, its start time): names one process even after its pid is reused; None if pid is gone or a zombie."""
+    try:
+        p = psutil.Process(pid)
+        return None if p.status() == psutil.STATUS_ZOMBIE else (pid, p.create_time())
+    except psutil.Error:
+        return None
 
 
 def alive(ident) -> bool:
@@ -113,46 +119,44 @@ def end_group(proc: subprocess.Popen, sig: int, grace: float, timeout: float, hu
 
 def connections_to(port: int) -> int:
     """Established TCP connections of this host to a local port, counted from their client end."""
-    n = 0
-    for f in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            rows = open(f).read().splitlines()[1:]
-        except OSError:
-            continue
-        n += sum(1 for r in rows if (c := r.split())[3] == "01" and int(c[2].rsplit(":", 1)[1], 16) == port)
-    return n
+    return sum(1 for c in psutil.net_connections("tcp") if c.status == psutil.CONN_ESTABLISHED and c.raddr
+               and c.raddr.port == port)
 
 
 def stopped(pid: int) -> bool:
-    """Whether pid is stopped by a signal (state T; not t, a tracer's brief pause such as py-spy's)."""
-    s = stat(pid)
-    return s is not None and s[0] == "T"
+    """Whether pid is stopped by a signal (not a tracer's brief pause such as py-spy's, psutil's tracing-stop)."""
+    return _status(pid) == psutil.STATUS_STOPPED
 
 
 def gone(pid: int) -> bool:
     """Exited: reaped, or a zombie waiting for its parent."""
-    s = stat(pid)
-    return s is None or s[0] == "Z"
+    return _status(pid) in (None, psutil.STATUS_ZOMBIE)
 
 
 def rss_kb(pid: int) -> int:
     """Resident memory of pid in kB, -1 if it is gone."""
     try:
-        with open(f"/proc/{pid}/status") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
-    except OSError:
+        return psutil.Process(pid).memory_info().rss // 1024
+    except psutil.Error:
         return -1
 
 
 def cpu_seconds(pid: int, with_children: bool = True) -> float | None:
     """CPU time used so far by pid (all its threads) and, with_children, its live children (the stubs); None if
     pid is gone."""
-    own = stat(pid)
-    if own is None:
+    def used(p: int) -> float:
+        t = psutil.Process(p).cpu_times()
+        return t.user + t.system
+    try:
+        total = used(pid)
+    except psutil.Error:
         return None
-    kids = children(pid) if with_children else ()
-    ticks = int(own[11]) + int(own[12]) + sum(int(s[11]) + int(s[12]) for p in kids if (s := stat(p)))
-    return ticks / os.sysconf("SC_CLK_TCK")
+    for p in children(pid) if with_children else ():
+        try:
+            total += used(p)
+        except psutil.Error:  # exited meanwhile
+            pass
+    return total
 
 
 def wait_up(proc, up, timeout: float, name: str, command: str, give_up, poll: float = 0.1, cancel=None):

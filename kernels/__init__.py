@@ -1,3 +1,0 @@
-"""Fused ops of the Gemma3 encoder: torch-native references (`native`), Triton-lang kernels (`triton_ops`, the
-fused gate_up GEMM `fused_gemm`, the layer stack as one kernel `layer_stack`) and the choice among them and
-sgl-kernel (`select`)."""

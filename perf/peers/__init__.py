@@ -1,0 +1,2 @@
+"""Ours beside the peers (sentence-transformers behind Triton, Infinity, vLLM), one client for all, and the peers'
+bundle."""
