@@ -212,7 +212,7 @@ def test_configuration_lists_every_gateway_flag():
 def test_configuration_lists_every_environment_variable():
     doc = (ROOT / "docs" / "configuration.md").read_text()
     documented = set(re.findall(r"^\| `([A-Z][A-Z0-9_]+)`", doc.split("\n## Environment variables\n", 1)[1], re.M))
-    code, rest = (sources(("egemma", "kernels", "scripts")), sources(("tests", "perf", "deploy")))
+    code, rest = (sources(("egemma", "scripts")), sources(("tests", "perf", "deploy")))
     used = set(re.findall(r"\b((?:EGEMMA|TRITON|HF|EMBEDDINGGEMMA)_[A-Z0-9_]+)\b", code))
     used -= {"TRITON_INTERPRET"}  # the tests' (tests/conftest.py), not the server's
     assert used <= documented, f"read by the code, not in the table: {sorted(used - documented)}"
@@ -230,9 +230,9 @@ def sources(dirs) -> str:
 def test_module_map_matches_the_tree():
     doc = (ROOT / "docs" / "design.md").read_text()
     section = doc.split("\n## Module map\n", 1)[1].split("\n## ", 1)[0]
-    mapped = set(re.findall(r"^\| `((?:egemma|kernels)/[\w/]+\.(?:py|c))`", section, re.M))
-    tree = {str(p.relative_to(ROOT)) for d in ("egemma", "kernels") for p in (ROOT / d).rglob("*")
-            if p.suffix in (".py", ".c") and p.name != "__init__.py" and "egemma/kernels" not in str(p.relative_to(ROOT))}
+    mapped = set(re.findall(r"^\| `(egemma/[\w/]+\.(?:py|c))`", section, re.M))
+    tree = {str(p.relative_to(ROOT)) for p in (ROOT / "egemma").rglob("*")
+            if p.suffix in (".py", ".c") and p.name != "__init__.py"}
     assert mapped == tree, f"in the tree, not the map: {sorted(tree - mapped)}; in the map, not the tree: " \
                            f"{sorted(mapped - tree)}"
 
