@@ -47,11 +47,12 @@ import os
 import resource
 import signal
 import sys
+import time
 from pathlib import Path
 
 from aiohttp import web
 
-from egemma.gateway import calls, openai_api, tei_api
+from egemma.gateway import calls, metrics, openai_api, tei_api
 from egemma.gateway.admission import admit, aio_header, read_body
 from egemma.gateway.aioserver import event_loop_runner, exit_with_parent, listen, serve
 from egemma.gateway.common import DEFAULT_MAX_BODY, GW, Gateway, error_response, readiness, verdict
@@ -117,6 +118,7 @@ def _refusal(request: web.Request) -> GatewayError | None:
 async def expect(request: web.Request):
     """Expect: 100-continue: a request that is refused anyway is refused before the client sends its body."""
     if (e := _refusal(request)) is not None:
+        metrics.METRICS.refused(e.kind)
         return error_response(e, protocol(request.path))
     if request.headers.get("Expect", "").lower() == "100-continue":
         request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
@@ -126,7 +128,21 @@ async def expect(request: web.Request):
 @web.middleware
 async def gate(request: web.Request, handler):
     """Every route's one handler style: the request admitted, its body given body_timeout to arrive (the
-    connection closed otherwise), and any failure as an answer in its protocol's shape."""
+    connection closed otherwise), and any failure as an answer in its protocol's shape; each answer counted
+    (egemma.gateway.metrics)."""
+    t0, status = time.perf_counter(), 500
+    try:
+        r = await _handle(request, handler)
+        status = r.status
+        return r
+    except web.HTTPException as e:
+        status = e.status
+        raise
+    finally:
+        metrics.METRICS.answered(request.path, status, time.perf_counter() - t0)
+
+
+async def _handle(request: web.Request, handler):
     try:
         if (e := _refusal(request)) is not None:
             raise e
@@ -142,7 +158,9 @@ async def gate(request: web.Request, handler):
     except Exception as e:
         if not isinstance(e, GatewayError):  # a bug of ours: logged, and still an answer in the protocol's shape
             log.exception("gateway %s %s", request.method, request.path)
-        return error_response(from_exception(e), protocol(request.path))
+        e = from_exception(e)
+        metrics.METRICS.refused(e.kind)
+        return error_response(e, protocol(request.path))
 
 
 def _drop_if_unread(request: web.Request):
@@ -198,7 +216,10 @@ def main(argv=None):
     ap.add_argument("--model-name", default="google/embeddinggemma-300m", help="served name for OpenAI / TEI")
     ap.add_argument("--alias", action="append", default=[], help="another accepted model name (repeatable)")
     ap.add_argument("--health-file", help="the watchdog's verdict file (egemma.gateway.health)")
-    ap.add_argument("--triton-metrics", help="host:port of Triton's metrics, passed through at GET /metrics")
+    ap.add_argument("--triton-metrics", help="host:port of Triton's metrics, passed through at GET /metrics, "
+                                             "followed by the gateway's own (egemma.gateway.metrics)")
+    ap.add_argument("--stats-dir", help="where the model instances write their histograms (the launcher's "
+                                        "heartbeat directory), rendered at GET /metrics")
     ap.add_argument("--max-connections", type=int, default=1024, help="open connections per worker")
     ap.add_argument("--idle-timeout", type=float, default=60.0,
                     help="seconds a connection may wait for a complete request (headers) before it is closed")
@@ -217,16 +238,18 @@ def main(argv=None):
     socks = [listen(a.host, p) for p in a.port]  # bound once, shared by the workers (one accept queue)
     gw = Gateway(triton_http=a.triton_http, triton_grpc=a.triton_grpc, model_name=a.model_name,
                  aliases=tuple(a.alias), max_body=a.max_request_bytes, health_file=a.health_file,
-                 triton_metrics=a.triton_metrics, body_timeout=a.body_timeout, api_key=read_key(a.api_key_file))
+                 triton_metrics=a.triton_metrics, stats_dir=a.stats_dir, body_timeout=a.body_timeout, api_key=read_key(a.api_key_file))
     run, loop = event_loop_runner()
+    metrics.setup(a.workers)  # before the fork: one shared map
 
     def worker(siblings: tuple[int, ...] = ()):
         run(serve(make_app(gw), socks, max_connections, a.idle_timeout, siblings, Lanes(gw, a.idle_timeout),
                   drain=gw.drain))
     workers = []
-    for _ in range(a.workers - 1):
+    for k in range(1, a.workers):
         if (pid := os.fork()) == 0:
             exit_with_parent(os.getppid())
+            metrics.METRICS.worker(k)
             worker()
             os._exit(0)
         workers.append(pid)

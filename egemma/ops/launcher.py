@@ -54,7 +54,7 @@ from egemma.ops.host import parse_gpus, visible_gpus
 from egemma.ops.procfs import Cancelled, connections_to
 from egemma.ops.repository import ROOT, resolve_checkpoint
 from egemma.ops.front import Front
-from egemma.ops.tritonserver import ADMIN_APIS, ADMIN_HEADER, API_HEADER, TritonServer, free_port
+from egemma.ops.tritonserver import ADMIN_APIS, ADMIN_HEADER, API_HEADER, HEARTBEATS, TritonServer, free_port
 from egemma.gateway.app import DEFAULT_MAX_BODY, read_key
 
 
@@ -142,6 +142,7 @@ def main(argv=None):
     ports = [a.http_port] + ([a.openai_port] if a.openai_port else [])
     front = Front([*(f"--port={p}" for p in ports), f"--host={a.host}", f"--triton-http=127.0.0.1:{internal}",
                    f"--triton-grpc={h}:{a.grpc_port}", f"--triton-metrics={h}:{a.metrics_port}",
+                   f"--stats-dir={a.run_dir / HEARTBEATS}",
                    f"--max-request-bytes={a.max_request_bytes}", f"--workers={a.gateway_workers}",
                    f"--model-name={a.served_model_name}", *(f"--alias={n}" for n in a.alias),
                    *([f"--health-file={health_file}"] if a.watchdog else []),

@@ -42,6 +42,7 @@ CPU_INSTANCES = {"embeddinggemma_encoder": 1, "embeddinggemma_tokenizer": 2}
 # CPU an idle server with 3 tokenizer instances took 4.9 s to exit (2.9 s with 1), so 2 s is out of reach that way.
 # stop() ends the server's group there instead (no stub has anything to finalize; kill() removes what they leave).
 DRAINED = b"All models are stopped, unloading models"
+HEARTBEATS = "heartbeat"  # the run directory's folder of the instances' heartbeats and stats (egemma.stub)
 
 
 def gpu_host() -> bool:
@@ -135,7 +136,7 @@ class TritonServer:
                                       optional=("tokenizer_json",), instances=instances, gpus=gpus,
                                       response_cache=response_cache_mb > 0)
         # Every model instance stamps its executes here (egemma.stub.instance); the watchdog reads them.
-        self.heartbeat_dir = self.run_dir / "heartbeat"
+        self.heartbeat_dir = self.run_dir / HEARTBEATS
         shutil.rmtree(self.heartbeat_dir, ignore_errors=True)
         self.heartbeat_dir.mkdir()
         binary, backends = find_tritonserver()
