@@ -47,7 +47,6 @@ import os
 import resource
 import signal
 import sys
-import time
 from pathlib import Path
 
 from aiohttp import web
@@ -75,6 +74,7 @@ async def proxy(request: web.Request) -> web.Response:
     headers = {k: v for k in REQUEST_HEADERS if (v := request.headers.get(k)) is not None}
     if gw.api_key is not None:  # admitted: Triton's own check wants its header
         headers["api-key"] = gw.api_key.decode()
+    headers = headers if gw.tracing is None else gw.tracing.headers(headers)  # traced: the span's context to Triton
     body = None
     if request.body_exists:
         body = await read_body(request, gw)  # inflated: it goes on plain
@@ -118,8 +118,7 @@ def _refusal(request: web.Request) -> GatewayError | None:
 async def expect(request: web.Request):
     """Expect: 100-continue: a request that is refused anyway is refused before the client sends its body."""
     if (e := _refusal(request)) is not None:
-        metrics.METRICS.refused(e.kind)
-        return error_response(e, protocol(request.path))
+        return metrics.refusal(error_response(e, protocol(request.path)))
     if request.headers.get("Expect", "").lower() == "100-continue":
         request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
     return None
@@ -128,21 +127,7 @@ async def expect(request: web.Request):
 @web.middleware
 async def gate(request: web.Request, handler):
     """Every route's one handler style: the request admitted, its body given body_timeout to arrive (the
-    connection closed otherwise), and any failure as an answer in its protocol's shape; each answer counted
-    (egemma.gateway.metrics)."""
-    t0, status = time.perf_counter(), 500
-    try:
-        r = await _handle(request, handler)
-        status = r.status
-        return r
-    except web.HTTPException as e:
-        status = e.status
-        raise
-    finally:
-        metrics.METRICS.answered(request.path, status, time.perf_counter() - t0)
-
-
-async def _handle(request: web.Request, handler):
+    connection closed otherwise), and any failure as an answer in its protocol's shape."""
     try:
         if (e := _refusal(request)) is not None:
             raise e
@@ -158,9 +143,7 @@ async def _handle(request: web.Request, handler):
     except Exception as e:
         if not isinstance(e, GatewayError):  # a bug of ours: logged, and still an answer in the protocol's shape
             log.exception("gateway %s %s", request.method, request.path)
-        e = from_exception(e)
-        metrics.METRICS.refused(e.kind)
-        return error_response(e, protocol(request.path))
+        return error_response(from_exception(e), protocol(request.path))
 
 
 def _drop_if_unread(request: web.Request):
@@ -182,7 +165,7 @@ async def _clients(app: web.Application):
 
 def make_app(gw: Gateway) -> web.Application:
     """The KServe v2 routes (health, then the proxy for the rest of /v2), the OpenAI routes, the TEI routes."""
-    app = web.Application(middlewares=[gate])
+    app = web.Application(middlewares=[metrics.observe, gate])
     app[GW] = gw
     app.cleanup_ctx.append(_clients)
     calls.init(app)
@@ -216,16 +199,14 @@ def main(argv=None):
     ap.add_argument("--model-name", default="google/embeddinggemma-300m", help="served name for OpenAI / TEI")
     ap.add_argument("--alias", action="append", default=[], help="another accepted model name (repeatable)")
     ap.add_argument("--health-file", help="the watchdog's verdict file (egemma.gateway.health)")
-    ap.add_argument("--triton-metrics", help="host:port of Triton's metrics, passed through at GET /metrics, "
-                                             "followed by the gateway's own (egemma.gateway.metrics)")
-    ap.add_argument("--stats-dir", help="where the model instances write their histograms (the launcher's "
-                                        "heartbeat directory), rendered at GET /metrics")
+    ap.add_argument("--triton-metrics", help="host:port of Triton's metrics, passed through at GET /metrics")
     ap.add_argument("--max-connections", type=int, default=1024, help="open connections per worker")
     ap.add_argument("--idle-timeout", type=float, default=60.0,
                     help="seconds a connection may wait for a complete request (headers) before it is closed")
     ap.add_argument("--body-timeout", type=float, default=60.0, help="seconds for a request's whole body")
     ap.add_argument("--api-key-file", help="a file holding the API key that inference routes require "
                                            "(Authorization: Bearer KEY; KServe also api-key: KEY)")
+    metrics.add_flags(ap)
     ap.add_argument("--exit-with-parent", type=int, metavar="PID",
                     help="exit when process PID (the launcher, our parent) dies, even by SIGKILL")
     a = ap.parse_args(argv)
@@ -242,15 +223,15 @@ def main(argv=None):
     run, loop = event_loop_runner()
     metrics.setup(a.workers)  # before the fork: one shared map
 
-    def worker(siblings: tuple[int, ...] = ()):
+    def worker(siblings: tuple[int, ...] = (), k: int = 0):
+        metrics.start_worker(gw, a, k)
         run(serve(make_app(gw), socks, max_connections, a.idle_timeout, siblings, Lanes(gw, a.idle_timeout),
                   drain=gw.drain))
     workers = []
     for k in range(1, a.workers):
         if (pid := os.fork()) == 0:
             exit_with_parent(os.getppid())
-            metrics.METRICS.worker(k)
-            worker()
+            worker(k=k)
             os._exit(0)
         workers.append(pid)
     print(f"gateway: {', '.join(f'http://{a.host}:{p}' for p in a.port)} -> Triton HTTP {a.triton_http}, gRPC "

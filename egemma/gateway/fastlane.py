@@ -92,7 +92,7 @@ class _Lane(asyncio.Protocol):
         self.reading_paused = self.writing_paused = self.advancing = self.handed = False
         self.timer, self.expires = None, None
         self.pending = None  # (path, headers, body start, body length): the request at the buffer's head
-        self.path, self.t0 = "", 0.0  # of the request at Triton: its answer is counted (egemma.gateway.metrics)
+        self.path, self.t0, self.span = "", 0.0, None  # the request at Triton's: counted, traced when on
         self.close_after = False
 
     def connection_made(self, transport):
@@ -199,6 +199,9 @@ class _Lane(asyncio.Protocol):
                 admit(self.lanes.gw, path, headers.get, request[start:])
             except GatewayError as e:
                 return self._answered(e)
+        if (tr := self.lanes.gw.tracing) is not None:
+            self.span, request, start = tr.kserve(request[:4].strip().decode(), metrics.route_of(path), request,
+                                                  start, headers)
         if b"api-key" not in headers and self.lanes.gw.api_key is not None:  # admitted on Bearer: Triton's header
             request = request[:start - 2] + b"api-key: " + self.lanes.gw.api_key + b"\r\n" + request[start - 2:]
         self.lanes.gw.upstream.send_raw(request, self._answered)
@@ -230,12 +233,12 @@ class _Lane(asyncio.Protocol):
         if self.transport.is_closing():
             return
         if isinstance(res, BaseException):
-            e = from_exception(res)
-            metrics.METRICS.refused(e.kind)
+            metrics.METRICS.refused((e := from_exception(res)).kind)
             data, h, status = raw(e, Protocol.KSERVE), {}, STATUS[Protocol.KSERVE][e.kind]
         else:
             data, status, h, _ = res
-        metrics.METRICS.answered(self.path, status, time.perf_counter() - self.t0)
+        metrics.done(self.path, status, self.t0, self.lanes.gw.tracing, self.span)
+        self.span = None
         close = self.close_after or self.lanes.draining is not None or h.get("connection", "").lower() == "close"
         if close and "connection" not in h:
             end = data.find(b"\r\n\r\n")

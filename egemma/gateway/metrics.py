@@ -11,8 +11,12 @@ egemma.gateway.errors.Kind."""
 from __future__ import annotations
 
 import mmap
+import time
+
+from aiohttp import web
 
 from egemma.gateway import health
+from egemma.gateway.common import GW, REFUSED
 from egemma.gateway.errors import Kind
 from egemma.stub.metrics import STUB_FAMILIES, Family, Shared, layout, read_stats, render
 
@@ -81,7 +85,61 @@ class Metrics:
         return text
 
 
+@web.middleware
+async def observe(request: web.Request, handler):
+    """Every aiohttp answer counted, and traced when tracing is on (egemma.gateway.tracing): the span is current
+    while the handler runs, so the Triton calls it makes carry its context."""
+    t0, status, tr = time.perf_counter(), 500, request.app[GW].tracing
+    span = None if tr is None else tr.start(request.method, route_of(request.path), request.headers)
+    try:
+        if span is None:
+            r = await handler(request)
+        else:
+            with tr.use(span):
+                r = await handler(request)
+        status = r.status
+        return refusal(r)
+    except web.HTTPException as e:
+        status = e.status
+        raise
+    finally:
+        METRICS.answered(request.path, status, time.perf_counter() - t0)
+        if span is not None:
+            tr.end(span, status)
+
+
 METRICS = Metrics()  # replaced by setup() in a gateway with workers, before they fork
+
+
+def refusal(r: web.StreamResponse) -> web.StreamResponse:
+    """r, its reason counted when it is an error answer of the gateway's (egemma.gateway.common.error_response)."""
+    if (kind := r.get(REFUSED)) is not None:
+        METRICS.refused(kind)
+    return r
+
+
+def done(path: str, status: int, t0: float, tracing, span):
+    """A fast-lane answer (egemma.gateway.fastlane) counted, and its span ended."""
+    METRICS.answered(path, status, time.perf_counter() - t0)
+    if span is not None:
+        tracing.end(span, status)
+
+
+def add_flags(ap):
+    """The gateway's flags of what it observes: --stats-dir, and tracing's (egemma.gateway.tracing)."""
+    from egemma.gateway import tracing
+    ap.add_argument("--stats-dir", help="where the model instances write their histograms (the launcher's "
+                                        "heartbeat directory), rendered at GET /metrics")
+    tracing.add_flags(ap)
+
+
+def start_worker(gw, a, k: int):
+    """Worker k (0: the first process) writes its own slots, and traces with a tracer of its own when asked (made
+    after the fork: the exporter's thread is the worker's)."""
+    METRICS.worker(k)
+    if a.otlp_endpoint:
+        from egemma.gateway.tracing import Tracing
+        gw.tracing = Tracing(a.otlp_endpoint, a.otlp_sample_ratio)
 
 
 def setup(workers: int) -> Metrics:

@@ -55,6 +55,7 @@ from egemma.ops.procfs import Cancelled, connections_to
 from egemma.ops.repository import ROOT, resolve_checkpoint
 from egemma.ops.front import Front
 from egemma.ops.tritonserver import ADMIN_APIS, ADMIN_HEADER, API_HEADER, HEARTBEATS, TritonServer, free_port
+from egemma.gateway import tracing
 from egemma.gateway.app import DEFAULT_MAX_BODY, read_key
 
 
@@ -108,6 +109,7 @@ def main(argv=None):
     ap.add_argument("--cache-dir", type=Path, default=cache_dir(),
                     help="what a later start reuses: Triton-lang's kernels, the tuning file, the fused weights "
                          "(default: $EGEMMA_CACHE_DIR, else ~/.cache/egemma); unwritable: served without caching")
+    tracing.add_flags(ap)
     a = ap.parse_args(argv)
     # The handler only flags (set before anything starts, so an early signal is not lost): a first SIGTERM /
     # SIGINT stops (cancelling a boot), a second hurries the stop; the main thread does the waiting.
@@ -133,7 +135,8 @@ def main(argv=None):
     def start():
         return TritonServer(ckpt, a.host, internal, a.grpc_port, a.metrics_port, a.run_dir, params,
                             admin_key=key, exit_timeout_secs=a.exit_timeout_secs, instances=instances, gpus=gpus,
-                            http_host="127.0.0.1", api_key=api_key, response_cache_mb=a.response_cache_mb, cancel=stop)
+                            http_host="127.0.0.1", api_key=api_key, response_cache_mb=a.response_cache_mb, cancel=stop,
+                            extra_args=tracing.triton_args(a.otlp_endpoint))
 
     a.run_dir.mkdir(parents=True, exist_ok=True)
     cachedir.prepare(a.cache_dir, a.run_dir, log=lambda m: print(m, file=sys.stderr, flush=True))
@@ -143,6 +146,8 @@ def main(argv=None):
     front = Front([*(f"--port={p}" for p in ports), f"--host={a.host}", f"--triton-http=127.0.0.1:{internal}",
                    f"--triton-grpc={h}:{a.grpc_port}", f"--triton-metrics={h}:{a.metrics_port}",
                    f"--stats-dir={a.run_dir / HEARTBEATS}",
+                   *([f"--otlp-endpoint={a.otlp_endpoint}", f"--otlp-sample-ratio={a.otlp_sample_ratio}"]
+                     if a.otlp_endpoint else []),
                    f"--max-request-bytes={a.max_request_bytes}", f"--workers={a.gateway_workers}",
                    f"--model-name={a.served_model_name}", *(f"--alias={n}" for n in a.alias),
                    *([f"--health-file={health_file}"] if a.watchdog else []),
