@@ -50,7 +50,8 @@ class Prometheus:
         (d / "prometheus.yml").write_text(yaml.safe_dump(cfg))
         self.log = open(d / "prometheus.log", "w")
         self.proc = subprocess.Popen([binary("prometheus"), f"--config.file={d / 'prometheus.yml'}",
-                                      f"--storage.tsdb.path={d / 'data'}", f"--web.listen-address=127.0.0.1:{self.port}"],
+                                      f"--storage.tsdb.path={d / 'data'}",
+                                      f"--web.listen-address=127.0.0.1:{self.port}"],
                                      stdout=self.log, stderr=subprocess.STDOUT)
         wait_for(self._ready, 60, "prometheus ready")
 

@@ -184,3 +184,28 @@ def test_unreachable_collector_loses_spans_not_requests(traced, tmp_path):
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_sample_ratio_zero_traces_only_sampled_clients(traced, tmp_path):
+    """--otlp-sample-ratio 0: a request without a context is not traced (nor at Triton: no context goes there); a
+    client's sampled traceparent still is. Spans leave in order, so once the sampled trace is in, an unsampled
+    span sent before it would be too."""
+    triton_recv, server, _, _ = traced
+    recv = Receiver()  # the gateway's spans; Triton's go to triton_recv
+    with triton_recv.lock:
+        before = {s.trace_id.hex() for _, s in triton_recv.spans}
+    gw = start_front(server, tmp_path / "gateway.log", f"--otlp-endpoint={recv.url}", "--otlp-sample-ratio=0")
+    try:
+        assert requests.post(f"{gw.url}/v1/embeddings", json={"input": "unsampled"}, timeout=60).status_code == 200
+        assert requests.post(f"{gw.url}{INFER}", data=text_request(), timeout=60).status_code == 200
+        trace_id, parent = "7bf92f3577b34da6a3ce929d0e0e4736", "30f067aa0ba902b7"
+        r = requests.post(f"{gw.url}/v1/embeddings", json={"input": "sampled"}, timeout=60,
+                          headers={"traceparent": f"00-{trace_id}-{parent}-01"})
+        assert r.status_code == 200
+        _triton_tree(_tree(triton_recv, trace_id, 6), _tree(recv, trace_id, 1).popitem()[0])
+        for rc, old in ((recv, set()), (triton_recv, before)):
+            with rc.lock:
+                assert {s.trace_id.hex() for _, s in rc.spans} - old == {trace_id}
+    finally:
+        gw.stop()
+        recv.server.shutdown()

@@ -219,9 +219,9 @@ def main(argv=None):
     socks = [listen(a.host, p) for p in a.port]  # bound once, shared by the workers (one accept queue)
     gw = Gateway(triton_http=a.triton_http, triton_grpc=a.triton_grpc, model_name=a.model_name,
                  aliases=tuple(a.alias), max_body=a.max_request_bytes, health_file=a.health_file,
-                 triton_metrics=a.triton_metrics, stats_dir=a.stats_dir, body_timeout=a.body_timeout, api_key=read_key(a.api_key_file))
+                 triton_metrics=a.triton_metrics, body_timeout=a.body_timeout, api_key=read_key(a.api_key_file))
     run, loop = event_loop_runner()
-    metrics.setup(a.workers)  # before the fork: one shared map
+    metrics.setup(a.workers, a.stats_dir)  # before the fork: one shared map
 
     def worker(siblings: tuple[int, ...] = (), k: int = 0):
         metrics.start_worker(gw, a, k)

@@ -30,8 +30,8 @@ _KINDS = {"StatusCode.INVALID_ARGUMENT": Kind.VALIDATION, "StatusCode.UNAVAILABL
 
 async def _infer(gw, model: str, inputs, outputs, params: dict):
     try:
-        return await gw.grpc.infer(model, inputs, outputs=outputs, parameters=params or None,
-                                   headers=gw.grpc_headers if gw.tracing is None else gw.tracing.headers(gw.grpc_headers))
+        return await gw.grpc.infer(model, inputs, outputs=outputs, parameters=params or None, headers=(
+            gw.grpc_headers if gw.tracing is None else gw.tracing.headers(gw.grpc_headers)))
     except InferenceServerException as e:
         raise GatewayError(_KINDS.get(str(e.status()), Kind.BACKEND), e.message()) from None
 

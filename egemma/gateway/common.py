@@ -27,7 +27,6 @@ class Gateway:
     max_batch: int = 64
     health_file: str | None = None
     triton_metrics: str | None = None  # host:port of Triton's metrics, for TEI's GET /metrics
-    stats_dir: str | None = None  # the model instances' histogram files (egemma.gateway.metrics)
     body_timeout: float = 60.0  # s for a request's whole body to arrive
     api_key: bytes | None = None  # what inference routes require (egemma.gateway.admission), and Triton too
     upstream: object = field(default=None, init=False)  # egemma.gateway.upstream.Upstream to triton_http

@@ -54,9 +54,9 @@ def route_of(path: str) -> str:
 class Metrics:
     """The gateway's families in a map shared by `workers` processes; `worker(k)` picks process k's slots."""
 
-    def __init__(self, workers: int = 1):
+    def __init__(self, workers: int = 1, stats_dir: str | None = None):
         self.n = layout(FAMILIES)[1]
-        self.workers = workers
+        self.workers, self.stats_dir = workers, stats_dir  # stats_dir: the model instances' histogram files
         self.mm = mmap.mmap(-1, 8 * self.n * workers)  # anonymous and shared: forked workers write the same pages
         self.worker(0)
 
@@ -71,11 +71,11 @@ class Metrics:
     def refused(self, kind: Kind):
         self.w.inc("egemma_requests_refused_total", (kind.value,))
 
-    def render(self, stats_dir: str | None, health_file: str | None, ready: bool) -> str:
+    def render(self, health_file: str | None, ready: bool) -> str:
         """The text of every family; ready: the gateway's readiness now (egemma_ready)."""
         view = memoryview(self.mm).cast("d")
         text = render(FAMILIES, [view[k * self.n:(k + 1) * self.n] for k in range(self.workers)])
-        text += render(STUB_FAMILIES, read_stats(stats_dir, STUB_FAMILIES) if stats_dir else [])
+        text += render(STUB_FAMILIES, read_stats(self.stats_dir, STUB_FAMILIES) if self.stats_dir else [])
         text += ("# HELP egemma_ready Whether this server is ready (the gateway's /v2/health/ready: the watchdog's "
                  "verdict, not stopping)\n# TYPE egemma_ready gauge\n" f"egemma_ready {int(ready)}\n")
         if health_file:
@@ -142,7 +142,7 @@ def start_worker(gw, a, k: int):
         gw.tracing = Tracing(a.otlp_endpoint, a.otlp_sample_ratio)
 
 
-def setup(workers: int) -> Metrics:
+def setup(workers: int, stats_dir: str | None = None) -> Metrics:
     global METRICS
-    METRICS = Metrics(workers)
+    METRICS = Metrics(workers, stats_dir)
     return METRICS

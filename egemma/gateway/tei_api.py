@@ -196,7 +196,7 @@ async def metrics(request: web.Request) -> web.Response:
     finally:
         up.close()
     if status == 200:
-        text += gateway_metrics.METRICS.render(gw.stats_dir, gw.health_file, readiness(gw)[0]).encode()
+        text += gateway_metrics.METRICS.render(gw.health_file, readiness(gw)[0]).encode()
     return web.Response(body=text, status=status, content_type="text/plain", charset="utf-8")
 
 

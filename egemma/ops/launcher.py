@@ -8,6 +8,7 @@
                           [--openai-port 8080] [--max-request-bytes 3145728] [--gateway-workers K]
                           [--served-model-name google/embeddinggemma-300m] [--alias NAME ...]
                           [--param KEY=VALUE ...] [--instances MODEL=N ...]
+                          [--otlp-endpoint URL [--otlp-sample-ratio 1.0]]
 
 The model repository is rendered into a run directory with the checkpoint path written into the configs
 (the source tree is never modified), the server is started with this Python environment first on PATH (the
@@ -36,7 +37,9 @@ never printed.
 HTTP: the user-facing HTTP port (and --openai-port, a second port of the same process) is the gateway
 (egemma.gateway.app), which checks every request and proxies KServe v2 to Triton's own HTTP on a loopback-only
 port: one request can crash Triton 2.51's HTTP. The gateway is restarted when it dies and stopped after Triton
-drained. gRPC and metrics are Triton's own (its gRPC takes any size up to 2 GiB, so large batches go there)."""
+drained. gRPC and metrics are Triton's own (its gRPC takes any size up to 2 GiB, so large batches go there); the
+gateway's GET /metrics serves Triton's and its own (egemma.gateway.metrics). --otlp-endpoint: traces
+(egemma.gateway.tracing, docs/observability.md)."""
 
 import argparse
 import os

@@ -152,7 +152,8 @@ def render(families: list[Family], writers: list) -> str:
             cum = list(itertools.accumulate(s[:-1]))
             out += [f"{f.name}_bucket{_labels(f, combo, _num(b))} {_num(c)}" for b, c in zip(f.buckets, cum)]
             out += [f"{f.name}_bucket{_labels(f, combo, '+Inf')} {_num(cum[-1])}",
-                    f"{f.name}_sum{_labels(f, combo)} {_num(s[-1])}", f"{f.name}_count{_labels(f, combo)} {_num(cum[-1])}"]
+                    f"{f.name}_sum{_labels(f, combo)} {_num(s[-1])}",
+                    f"{f.name}_count{_labels(f, combo)} {_num(cum[-1])}"]
     return "\n".join(out) + "\n"
 
 
