@@ -174,11 +174,12 @@ def main(argv=None):
             sys.exit(0)
         raise
     cachedir.seal(a.cache_dir)
+    traces = f"\n  traces  to {a.otlp_endpoint} (sampled {a.otlp_sample_ratio:g})" if a.otlp_endpoint else ""
     print(f"""
 ready: model 'embeddinggemma' (checkpoint {ckpt})
   HTTP    http://{h}:{a.http_port}  (gateway: KServe v2, OpenAI, TEI; bodies up to {a.max_request_bytes} bytes)
   gRPC    {h}:{a.grpc_port}
-  metrics http://{h}:{a.metrics_port}/metrics
+  metrics http://{h}:{a.http_port}/metrics  (Triton's, port {a.metrics_port}, and the gateway's){traces}
   admin   the {ADMIN_APIS} APIs need HTTP header '{ADMIN_HEADER}: {key}'
           (gRPC metadata 'triton-grpc-protocol-{ADMIN_HEADER}: {key}')
   api key {f"required for inference (HTTP 'Authorization: Bearer KEY', KServe also '{API_HEADER}: KEY'; gRPC "
