@@ -5,6 +5,7 @@ the request served; an unreachable collector loses spans, never requests, and is
 import base64
 import http.server
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -209,3 +210,21 @@ def test_sample_ratio_zero_traces_only_sampled_clients(traced, tmp_path):
     finally:
         gw.stop()
         recv.server.shutdown()
+
+
+def test_triton_says_once_that_its_collector_is_unreachable(start_server, tmp_path):
+    """Triton exporting to a closed port: the traced requests served; its exporter's errors (two lines per batch
+    of spans, egemma.ops.tritonserver.OTLP_ERROR) passed on once."""
+    server = start_server(extra_args=triton_args(f"http://127.0.0.1:{free_port()}"))
+    c = grpcclient.InferenceServerClient(server.grpc_url)
+    log = server.run_dir / "tritonserver.log"
+
+    def served():
+        tp = f"00-{os.urandom(16).hex()}-{os.urandom(8).hex()}-01"
+        assert c.infer("embeddinggemma", [text_input(["x"])], headers={"traceparent": tp}).as_numpy("EMBEDDING").size
+        return "its spans are lost" in log.read_text()
+    wait_for(served, 60, "Triton to say its spans are lost")
+    end = time.monotonic() + 3  # a few more export rounds (one a second) of spans that cannot go out
+    while time.monotonic() < end:
+        served()
+    assert log.read_text().count("OTLP HTTP Client") == 1, log.read_text()[-3000:]

@@ -230,15 +230,15 @@ class _Lane(asyncio.Protocol):
         self._advance()
 
     def _write(self, res):
-        if self.transport.is_closing():
-            return
         if isinstance(res, BaseException):
             metrics.METRICS.refused((e := from_exception(res)).kind)
             data, h, status = raw(e, Protocol.KSERVE), {}, STATUS[Protocol.KSERVE][e.kind]
         else:
             data, status, h, _ = res
-        metrics.done(self.path, status, self.t0, self.lanes.gw.tracing, self.span)
+        metrics.done(self.path, status, self.t0, self.lanes.gw.tracing, self.span)  # the client gone or not
         self.span = None
+        if self.transport.is_closing():
+            return
         close = self.close_after or self.lanes.draining is not None or h.get("connection", "").lower() == "close"
         if close and "connection" not in h:
             end = data.find(b"\r\n\r\n")

@@ -42,6 +42,9 @@ CPU_INSTANCES = {"embeddinggemma_encoder": 1, "embeddinggemma_tokenizer": 2}
 # CPU an idle server with 3 tokenizer instances took 4.9 s to exit (2.9 s with 1), so 2 s is out of reach that way.
 # stop() ends the server's group there instead (no stub has anything to finalize; kill() removes what they leave).
 DRAINED = b"All models are stopped, unloading models"
+# Triton's OpenTelemetry exporter logs two lines per batch of spans it fails to send (--otlp-endpoint unreachable):
+# the first one is passed on, the rest dropped; spans are lost, requests are not.
+OTLP_ERROR = b"[OTLP HTTP Client]"
 HEARTBEATS = "heartbeat"  # the run directory's folder of the instances' heartbeats and stats (egemma.stub)
 
 
@@ -178,11 +181,16 @@ class TritonServer:
             raise
 
     def _pump(self):
-        """Triton's output (its stubs' too) on to log_file (default: this process's stdout), watched for DRAINED."""
-        sink = self.log_file or sys.stdout
+        """Triton's output (its stubs' too) on to log_file (default: this process's stdout), watched for DRAINED; a
+        failure to export spans said once (OTLP_ERROR)."""
+        sink, otlp_said = self.log_file or sys.stdout, False
         for line in iter(self.proc.stdout.readline, b""):
             if DRAINED in line:
                 self.drained.set()
+            if OTLP_ERROR in line:
+                if otlp_said:
+                    continue
+                otlp_said, line = True, line.rstrip(b"\n") + b" (said once: its spans are lost, requests are not)\n"
             try:
                 sink.write(line.decode(errors="replace") if hasattr(sink, "encoding") else line)
                 sink.flush()
