@@ -21,6 +21,7 @@ from rawhttp import INFER, start_front, text_request
 
 NS, POD = "embeddinggemma", "embeddinggemma-0"
 SECRET = "zqxSecretUserText"  # sent as texts and as a model name: never a label value
+INFERENCE_ROUTES = ("openai_embeddings", "tei_embed", "kserve_infer")
 CPU_EMPTY = ("nv_gpu_",)  # panels of GPU metrics: no series on a host without a GPU
 
 
@@ -94,7 +95,10 @@ def scraped(server, tmp_path_factory):
         p.series("namespace_pod:egemma_requests:rate1m > 0")
         restarted.set()
         p.series("egemma_watchdog_restarts_total > 0")
-        p.series("namespace_route:egemma_request_duration_seconds:p99_5m")
+        for rule in ("namespace_pod_route:egemma_request_duration_seconds:p50_1m",
+                     "namespace_pod_route:egemma_request_duration_seconds:p99_1m",
+                     "namespace_route:egemma_request_duration_seconds:p99_5m"):  # each route's rate has 2 samples
+            p.series(f'count({rule}{{route=~"{"|".join(INFERENCE_ROUTES)}"}} >= 0) == {len(INFERENCE_ROUTES)}')
         yield p, gw, verdict
     finally:
         load.end()
@@ -119,15 +123,15 @@ def test_every_rule_is_healthy_and_recorded(scraped):
     assert value(p.series("namespace_pod:egemma_inferences:rate1m")[0]) > 0
     p50 = labelled(p.series("namespace_pod_route:egemma_request_duration_seconds:p50_1m"))
     p99 = labelled(p.series("namespace_pod_route:egemma_request_duration_seconds:p99_1m"))
-    for route in ("openai_embeddings", "tei_embed", "kserve_infer"):
+    for route in INFERENCE_ROUTES:
         k = (*pod, ("route", route))
         assert 0 < p50[k] <= p99[k] < 60, (route, p50, p99)
     (queue,) = p.series("namespace_pod:egemma_queue_us_per_request:rate1m")
     assert tuple(labelled([queue])) == (pod,) and value(queue) >= 0
     (errors,) = p.series("namespace:egemma_http_errors:ratio_rate5m")
     assert value(errors) == 0  # every refusal sent is a 4xx
-    assert {r["metric"]["route"] for r in p.series("namespace_route:egemma_request_duration_seconds:p99_5m")} >= {
-        "openai_embeddings", "tei_embed", "kserve_infer"}
+    assert {r["metric"]["route"] for r in p.series("namespace_route:egemma_request_duration_seconds:p99_5m")} >= set(
+        INFERENCE_ROUTES)
 
 
 def test_alerts_on_the_live_data(scraped):
