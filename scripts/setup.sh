@@ -10,7 +10,8 @@
 #                                          own tritonserver)
 # The venv mode also installs checkov into .cache/checkov-venv (the manifest tests' scanner). As root with apt-get
 # (CI), it also installs kubectl (Debian's kubernetes-client) when none is on
-# PATH: the manifest tests render deploy/ with `kubectl kustomize`.
+# PATH: the manifest tests render deploy/ with `kubectl kustomize`; and Debian's prometheus (with promtool) when no
+# promtool is: the observability tests run it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODE="${EGEMMA_SETUP:-venv}"
@@ -45,6 +46,18 @@ if [ "$MODE" = venv ] && [ ! -x .cache/checkov-venv/bin/checkov ]; then
   echo "[setup] installing $CHECKOV into .cache/checkov-venv for the manifest tests (first run: a few minutes)"
   "$PY" -m venv .cache/checkov-venv
   .cache/checkov-venv/bin/python -m pip install -q --disable-pip-version-check "$CHECKOV"
+fi
+# Debian's prometheus (2.42, with promtool): tests/test_observability.py runs the rules and the dashboard against it.
+if [ "$MODE" = venv ] && ! command -v promtool >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "[setup] installing Debian's prometheus (and promtool) for the observability tests"
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+        prometheus >/dev/null; } \
+      || echo "[setup] WARNING: prometheus did not install: tests/test_observability.py will fail" >&2
+  else
+    echo "[setup] NOTE: no promtool on PATH: tests/test_observability.py needs Debian's prometheus package" \
+         "(apt-get install prometheus); it skips without it, and fails under CI=true" >&2
+  fi
 fi
 if [ "$MODE" = venv ] && ! command -v kubectl >/dev/null; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then

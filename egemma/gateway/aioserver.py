@@ -11,6 +11,7 @@ import socket
 
 from aiohttp import web
 
+from egemma.gateway import metrics
 from egemma.gateway.errors import GatewayError, Kind, Protocol, raw
 
 # Refused before a request is read, so before its protocol is known: KServe's shape, {"error": ...}, which TEI's
@@ -26,6 +27,7 @@ class _Refuse(asyncio.Protocol):
     """A connection over max_connections: a 503 and closed, without a request handler."""
 
     def connection_made(self, transport):
+        metrics.METRICS.refused(Kind.OVERLOADED)
         transport.write(_BUSY)
         transport.close()
 

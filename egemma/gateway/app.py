@@ -51,7 +51,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from egemma.gateway import calls, openai_api, tei_api
+from egemma.gateway import calls, metrics, openai_api, tei_api
 from egemma.gateway.admission import admit, aio_header, read_body
 from egemma.gateway.aioserver import event_loop_runner, exit_with_parent, listen, serve
 from egemma.gateway.common import DEFAULT_MAX_BODY, GW, Gateway, error_response, readiness, verdict
@@ -74,6 +74,7 @@ async def proxy(request: web.Request) -> web.Response:
     headers = {k: v for k in REQUEST_HEADERS if (v := request.headers.get(k)) is not None}
     if gw.api_key is not None:  # admitted: Triton's own check wants its header
         headers["api-key"] = gw.api_key.decode()
+    headers = headers if gw.tracing is None else gw.tracing.headers(headers)  # traced: the span's context to Triton
     body = None
     if request.body_exists:
         body = await read_body(request, gw)  # inflated: it goes on plain
@@ -117,7 +118,7 @@ def _refusal(request: web.Request) -> GatewayError | None:
 async def expect(request: web.Request):
     """Expect: 100-continue: a request that is refused anyway is refused before the client sends its body."""
     if (e := _refusal(request)) is not None:
-        return error_response(e, protocol(request.path))
+        return metrics.refusal(error_response(e, protocol(request.path)))
     if request.headers.get("Expect", "").lower() == "100-continue":
         request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
     return None
@@ -164,7 +165,7 @@ async def _clients(app: web.Application):
 
 def make_app(gw: Gateway) -> web.Application:
     """The KServe v2 routes (health, then the proxy for the rest of /v2), the OpenAI routes, the TEI routes."""
-    app = web.Application(middlewares=[gate])
+    app = web.Application(middlewares=[metrics.observe, gate])
     app[GW] = gw
     app.cleanup_ctx.append(_clients)
     calls.init(app)
@@ -205,6 +206,7 @@ def parser() -> argparse.ArgumentParser:  # the launcher passes these; docs/conf
     ap.add_argument("--body-timeout", type=float, default=60.0, help="seconds for a request's whole body")
     ap.add_argument("--api-key-file", help="a file holding the API key that inference routes require "
                                            "(Authorization: Bearer KEY; KServe also api-key: KEY)")
+    metrics.add_flags(ap)
     ap.add_argument("--exit-with-parent", type=int, metavar="PID",
                     help="exit when process PID (the launcher, our parent) dies, even by SIGKILL")
     return ap
@@ -223,15 +225,17 @@ def main(argv=None):
                  aliases=tuple(a.alias), max_body=a.max_request_bytes, health_file=a.health_file,
                  triton_metrics=a.triton_metrics, body_timeout=a.body_timeout, api_key=read_key(a.api_key_file))
     run, loop = event_loop_runner()
+    metrics.setup(a.workers, a.stats_dir)  # before the fork: one shared map
 
-    def worker(siblings: tuple[int, ...] = ()):
+    def worker(siblings: tuple[int, ...] = (), k: int = 0):
+        metrics.start_worker(gw, a, k)
         run(serve(make_app(gw), socks, max_connections, a.idle_timeout, siblings, Lanes(gw, a.idle_timeout),
                   drain=gw.drain))
     workers = []
-    for _ in range(a.workers - 1):
+    for k in range(1, a.workers):
         if (pid := os.fork()) == 0:
             exit_with_parent(os.getppid())
-            worker()
+            worker(k=k)
             os._exit(0)
         workers.append(pid)
     print(f"gateway: {', '.join(f'http://{a.host}:{p}' for p in a.port)} -> Triton HTTP {a.triton_http}, gRPC "

@@ -30,8 +30,8 @@ _KINDS = {"StatusCode.INVALID_ARGUMENT": Kind.VALIDATION, "StatusCode.UNAVAILABL
 
 async def _infer(gw, model: str, inputs, outputs, params: dict):
     try:
-        return await gw.grpc.infer(model, inputs, outputs=outputs, parameters=params or None,
-                                   headers=gw.grpc_headers)
+        return await gw.grpc.infer(model, inputs, outputs=outputs, parameters=params or None, headers=(
+            gw.grpc_headers if gw.tracing is None else gw.tracing.headers(gw.grpc_headers)))
     except InferenceServerException as e:
         raise GatewayError(_KINDS.get(str(e.status()), Kind.BACKEND), e.message()) from None
 
@@ -63,9 +63,13 @@ async def embed_texts(gw, texts: list[str], params: dict) -> tuple[np.ndarray, n
         r = await _infer(gw, ENSEMBLE, [_text_input(texts[a:b])], _OUT_EMB_TOK, params)
         return r.as_numpy("EMBEDDING"), r.as_numpy("NUM_TOKENS").reshape(-1)
     if len(texts) <= gw.max_batch:  # the common request: one call, no gather
-        return await one(0, len(texts))
-    parts = await gather(*(one(a, b) for a, b in _chunks(len(texts), gw.max_batch)))
-    return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+        emb, ntok = await one(0, len(texts))
+    else:
+        parts = await gather(*(one(a, b) for a, b in _chunks(len(texts), gw.max_batch)))
+        emb, ntok = np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+    if gw.tracing is not None:
+        gw.tracing.note(**{"egemma.model": gw.model_name, "egemma.texts": len(texts), "egemma.tokens": int(ntok.sum())})
+    return emb, ntok
 
 
 async def embed_ids(gw, rows: list[np.ndarray], params: dict) -> np.ndarray:
@@ -83,6 +87,9 @@ async def embed_ids(gw, rows: list[np.ndarray], params: dict) -> np.ndarray:
         o = grpcclient.InferInput("OPTIONS", [b - a, 2], "INT32")
         o.set_data_from_numpy(np.tile(np.array([int(params.get("dimensions") or 0), 0], np.int32), (b - a, 1)))
         return (await _infer(gw, ENCODER, [i, s, o], _OUT_EMB, params)).as_numpy("EMBEDDING")
+    if gw.tracing is not None:
+        gw.tracing.note(**{"egemma.model": gw.model_name, "egemma.texts": len(rows),
+                           "egemma.tokens": sum(len(r) for r in rows)})
     return np.concatenate(await gather(*(one(a, b) for a, b in _chunks(len(rows), gw.max_batch))))
 
 

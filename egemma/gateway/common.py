@@ -31,6 +31,7 @@ class Gateway:
     api_key: bytes | None = None  # what inference routes require (egemma.gateway.admission), and Triton too
     upstream: object = field(default=None, init=False)  # egemma.gateway.upstream.Upstream to triton_http
     draining: bool = field(default=False, init=False)  # SIGUSR1: the server is stopping
+    tracing: object = field(default=None, init=False)  # egemma.gateway.tracing.Tracing of this worker, or None: off
 
     def drain(self):
         self.draining = True
@@ -57,9 +58,13 @@ def json_response(obj, status: int = 200) -> web.Response:
                         content_type="application/json")
 
 
+REFUSED = "egemma_refused"  # an error answer's Kind, as the response's user data: counted by egemma.gateway.metrics
+
+
 def error_response(e: GatewayError, proto: Protocol) -> web.Response:
     status, body = render(e, proto)
     r = web.Response(status=status, body=body, content_type="application/json", headers=headers(e))
+    r[REFUSED] = e.kind
     if e.close:
         r.force_close()
     return r

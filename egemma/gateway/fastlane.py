@@ -14,9 +14,11 @@ import asyncio
 import logging
 import re
 import socket
+import time
 
+from egemma.gateway import metrics
 from egemma.gateway.admission import admit
-from egemma.gateway.errors import GatewayError, Protocol, from_exception, raw
+from egemma.gateway.errors import STATUS, GatewayError, Protocol, from_exception, raw
 
 _HEAD_LIMIT = 8192  # longer heads go to aiohttp, which passes Triton only the headers it uses (the lane: all)
 _REQUEST_LINE = re.compile(rb"(GET|POST) (/v2(?:[/?][!-$&-~]{0,8000})?) HTTP/1\.1\r\n")  # '%' goes to aiohttp
@@ -90,6 +92,7 @@ class _Lane(asyncio.Protocol):
         self.reading_paused = self.writing_paused = self.advancing = self.handed = False
         self.timer, self.expires = None, None
         self.pending = None  # (path, headers, body start, body length): the request at the buffer's head
+        self.path, self.t0, self.span = "", 0.0, None  # the request at Triton's: counted, traced when on
         self.close_after = False
 
     def connection_made(self, transport):
@@ -185,6 +188,7 @@ class _Lane(asyncio.Protocol):
         request = bytes(self.buf[:start + n])
         del self.buf[:start + n]
         self.pending, self.busy = None, True
+        self.path, self.t0 = path, time.perf_counter()
         self._deadline(None)
         self.close_after = headers.get(b"connection", b"").lower() == b"close"
         if b"connection" in headers:  # ours to keep: Triton's connection stays pooled whatever this client wants
@@ -195,6 +199,9 @@ class _Lane(asyncio.Protocol):
                 admit(self.lanes.gw, path, headers.get, request[start:])
             except GatewayError as e:
                 return self._answered(e)
+        if (tr := self.lanes.gw.tracing) is not None:
+            self.span, request, start = tr.kserve(request[:4].strip().decode(), metrics.route_of(path), request,
+                                                  start, headers)
         if b"api-key" not in headers and self.lanes.gw.api_key is not None:  # admitted on Bearer: Triton's header
             request = request[:start - 2] + b"api-key: " + self.lanes.gw.api_key + b"\r\n" + request[start - 2:]
         self.lanes.gw.upstream.send_raw(request, self._answered)
@@ -223,12 +230,15 @@ class _Lane(asyncio.Protocol):
         self._advance()
 
     def _write(self, res):
+        if isinstance(res, BaseException):
+            metrics.METRICS.refused((e := from_exception(res)).kind)
+            data, h, status = raw(e, Protocol.KSERVE), {}, STATUS[Protocol.KSERVE][e.kind]
+        else:
+            data, status, h, _ = res
+        metrics.done(self.path, status, self.t0, self.lanes.gw.tracing, self.span)  # the client gone or not
+        self.span = None
         if self.transport.is_closing():
             return
-        if isinstance(res, BaseException):
-            data, h = raw(from_exception(res), Protocol.KSERVE), {}
-        else:
-            data, _, h, _ = res
         close = self.close_after or self.lanes.draining is not None or h.get("connection", "").lower() == "close"
         if close and "connection" not in h:
             end = data.find(b"\r\n\r\n")

@@ -9,12 +9,20 @@ import time
 from pathlib import Path
 
 
-def write(path: str | Path, ok: bool, why: str | None = None):
-    """Atomically: a reader never sees half a file."""
+def write(path: str | Path, ok: bool, why: str | None = None, restarts: int = 0):
+    """Atomically: a reader never sees half a file. restarts: the watchdog's so far (a metric)."""
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w") as f:
-        json.dump({"ok": ok, "why": why, "time": time.time()}, f)
+        json.dump({"ok": ok, "why": why, "time": time.time(), "restarts": restarts}, f)
     os.replace(tmp, path)
+
+
+def restarts(path: str | Path) -> int:
+    """The watchdog's restarts the verdict file counts (0 while there is none)."""
+    try:
+        return int(json.loads(Path(path).read_text()).get("restarts", 0))
+    except (OSError, ValueError):
+        return 0
 
 
 def read(path: str | Path, max_age: float) -> tuple[bool, str]:

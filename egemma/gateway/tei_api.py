@@ -13,7 +13,7 @@ server differs from TEI:
 - /tokenize returns the ids the embedding uses (truncated to 2048 unless truncate=false; TEI's are untruncated);
   `text` is the vocabulary piece (e.g. "▁Mars"), not a slice of the input, and start/stop are null.
 - /embed_all is a 501: per-token hidden states never leave the encoder's CUDA graph.
-- /metrics is Triton's Prometheus text (plus egemma_*), not TEI's te_* metrics."""
+- /metrics is Triton's Prometheus text and the gateway's (egemma.gateway.metrics), not TEI's te_* metrics."""
 from __future__ import annotations
 
 import asyncio
@@ -23,6 +23,7 @@ import numpy as np
 from aiohttp import web
 
 from egemma.gateway import calls
+from egemma.gateway import metrics as gateway_metrics
 from egemma.gateway.common import GW, json_response, options, read_json, readiness
 from egemma.gateway.errors import GatewayError, Kind
 from egemma.gateway.upstream import Upstream
@@ -182,7 +183,8 @@ async def health_route(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    """Triton's Prometheus text as it is (nv_inference_*, egemma_*), from its metrics port."""
+    """Triton's Prometheus text as it is (nv_inference_*, egemma_*_total), from its metrics port, then the gateway's
+    own metrics (egemma.gateway.metrics)."""
     gw = request.app[GW]
     if not gw.triton_metrics:
         raise GatewayError(Kind.NOT_FOUND, "no metrics here: the gateway was started without --triton-metrics; "
@@ -194,6 +196,8 @@ async def metrics(request: web.Request) -> web.Response:
         raise GatewayError(Kind.UNHEALTHY, f"Triton's metrics endpoint is not reachable: {e}") from None
     finally:
         up.close()
+    if status == 200:
+        text += gateway_metrics.METRICS.render(gw.health_file, readiness(gw)[0]).encode()
     return web.Response(body=text, status=status, content_type="text/plain", charset="utf-8")
 
 

@@ -24,7 +24,9 @@ Cache (--cache-dir, egemma.ops.cachedir) and API key (--api-key, never printed):
 HTTP: the user-facing HTTP port (and --openai-port, a second port of the same process) is the gateway
 (egemma.gateway.app), which checks every request and proxies KServe v2 to Triton's own HTTP on a loopback-only
 port: one request can crash Triton 2.51's HTTP. The gateway is restarted when it dies and stopped after Triton
-drained. gRPC and metrics are Triton's own (its gRPC takes any size up to 2 GiB, so large batches go there)."""
+drained. gRPC and metrics are Triton's own (its gRPC takes any size up to 2 GiB, so large batches go there); the
+gateway's GET /metrics serves Triton's and its own (egemma.gateway.metrics). --otlp-endpoint: traces
+(egemma.gateway.tracing, docs/observability.md)."""
 
 import argparse
 import os
@@ -43,7 +45,8 @@ from egemma.ops.host import parse_gpus, visible_gpus
 from egemma.ops.procfs import Cancelled, connections_to
 from egemma.ops.repository import ROOT, resolve_checkpoint
 from egemma.ops.front import Front
-from egemma.ops.tritonserver import ADMIN_APIS, ADMIN_HEADER, API_HEADER, TritonServer, free_port, gpu_host
+from egemma.ops.tritonserver import ADMIN_APIS, ADMIN_HEADER, API_HEADER, HEARTBEATS, TritonServer, free_port, gpu_host
+from egemma.gateway import tracing
 from egemma.gateway.app import DEFAULT_MAX_BODY, read_key
 
 
@@ -116,6 +119,7 @@ def parser() -> argparse.ArgumentParser:
                    help="restart when one model instance is busy in one execute for this long (scaled up for "
                         "batches over 131072 tokens), or canaries time out while the server is busy and no request "
                         "completes for this long: a model is spinning (default 120)")
+    tracing.add_flags(ap.add_argument_group("observability"))
     return ap
 
 
@@ -152,7 +156,8 @@ def main(argv=None):
     def start():
         return TritonServer(ckpt, a.host, internal, a.grpc_port, a.metrics_port, a.run_dir, params,
                             admin_key=key, exit_timeout_secs=a.exit_timeout_secs, instances=instances, gpus=gpus,
-                            http_host="127.0.0.1", api_key=api_key, response_cache_mb=a.response_cache_mb, cancel=stop)
+                            http_host="127.0.0.1", api_key=api_key, response_cache_mb=a.response_cache_mb, cancel=stop,
+                            extra_args=tracing.triton_args(a.otlp_endpoint))
 
     a.run_dir.mkdir(parents=True, exist_ok=True)
     cachedir.prepare(a.cache_dir, a.run_dir, log=lambda m: print(m, file=sys.stderr, flush=True))
@@ -161,6 +166,9 @@ def main(argv=None):
     ports = [a.http_port] + ([a.openai_port] if a.openai_port else [])
     front = Front([*(f"--port={p}" for p in ports), f"--host={a.host}", f"--triton-http=127.0.0.1:{internal}",
                    f"--triton-grpc={h}:{a.grpc_port}", f"--triton-metrics={h}:{a.metrics_port}",
+                   f"--stats-dir={a.run_dir / HEARTBEATS}",
+                   *([f"--otlp-endpoint={a.otlp_endpoint}", f"--otlp-sample-ratio={a.otlp_sample_ratio}"]
+                     if a.otlp_endpoint else []),
                    f"--max-request-bytes={a.max_request_bytes}", f"--workers={a.gateway_workers}",
                    f"--model-name={a.served_model_name}", *(f"--alias={n}" for n in a.alias),
                    *([f"--health-file={health_file}"] if a.watchdog else []),
@@ -185,11 +193,12 @@ def main(argv=None):
         raise
     cachedir.seal(a.cache_dir)
     demo_banner = "\n  DEMO    random weights: the embeddings mean nothing (docs/operations.md)" if demo else ""
+    traces = f"\n  traces  to {a.otlp_endpoint} (sampled {a.otlp_sample_ratio:g})" if a.otlp_endpoint else ""
     print(f"""
 ready: model 'embeddinggemma' (checkpoint {ckpt}){demo_banner}
   HTTP    http://{h}:{a.http_port}  (gateway: KServe v2, OpenAI, TEI; bodies up to {a.max_request_bytes} bytes)
   gRPC    {h}:{a.grpc_port}
-  metrics http://{h}:{a.metrics_port}/metrics
+  metrics http://{h}:{a.http_port}/metrics  (Triton's, port {a.metrics_port}, and the gateway's){traces}
   admin   the {ADMIN_APIS} APIs need HTTP header '{ADMIN_HEADER}: {key}'
           (gRPC metadata 'triton-grpc-protocol-{ADMIN_HEADER}: {key}')
   api key {f"required for inference (HTTP 'Authorization: Bearer KEY', KServe also '{API_HEADER}: KEY'; gRPC "

@@ -46,6 +46,10 @@ DRAINED = b"All models are stopped, unloading models"
 # flag stops, Triton 2.51's CUDA block manager and an ensemble's CUDA stream failing, is dropped from the log there.
 CPU_ARGS = ("--pinned-memory-pool-byte-size=0", "--cuda-memory-pool-byte-size=0:0", "--allow-gpu-metrics=false")
 CPU_NOISE = (b'"CudaDriverHelper has not been initialized."', b'"unable to create stream for ')
+# Triton's OpenTelemetry exporter logs two lines per batch of spans it fails to send (--otlp-endpoint unreachable):
+# the first one is passed on, the rest dropped; spans are lost, requests are not.
+OTLP_ERROR = b"[OTLP HTTP Client]"
+HEARTBEATS = "heartbeat"  # the run directory's folder of the instances' heartbeats and stats (egemma.stub)
 
 
 def gpu_host() -> bool:
@@ -139,7 +143,7 @@ class TritonServer:
                                       optional=("tokenizer_json",), instances=instances, gpus=gpus,
                                       response_cache=response_cache_mb > 0)
         # Every model instance stamps its executes here (egemma.stub.instance); the watchdog reads them.
-        self.heartbeat_dir = self.run_dir / "heartbeat"
+        self.heartbeat_dir = self.run_dir / HEARTBEATS
         shutil.rmtree(self.heartbeat_dir, ignore_errors=True)
         self.heartbeat_dir.mkdir()
         binary, backends = find_tritonserver()
@@ -182,14 +186,19 @@ class TritonServer:
             raise
 
     def _pump(self):
-        """Triton's output (its stubs' too) on to log_file (default: this process's stdout), watched for DRAINED."""
-        sink = self.log_file or sys.stdout
+        """Triton's output (its stubs' too) on to log_file (default: this process's stdout), watched for DRAINED; a
+        failure to export spans said once (OTLP_ERROR), CPU_NOISE dropped on a CPU host."""
+        sink, otlp_said = self.log_file or sys.stdout, False
         noise = () if gpu_host() else CPU_NOISE
         for line in iter(self.proc.stdout.readline, b""):
             if DRAINED in line:
                 self.drained.set()
             if any(n in line for n in noise):
                 continue
+            if OTLP_ERROR in line:
+                if otlp_said:
+                    continue
+                otlp_said, line = True, line.rstrip(b"\n") + b" (said once: its spans are lost, requests are not)\n"
             try:
                 sink.write(line.decode(errors="replace") if hasattr(sink, "encoding") else line)
                 sink.flush()

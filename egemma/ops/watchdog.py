@@ -109,7 +109,7 @@ class Watchdog:
 
     def _verdict(self, why: str | None):
         if self.health_file is not None:
-            health.write(self.health_file, why is None, why)
+            health.write(self.health_file, why is None, why, restarts=len(self.events))
 
     def _url(self) -> str:
         host = self.server.http_host  # Triton's own HTTP, behind the gateway

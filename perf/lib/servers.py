@@ -61,9 +61,9 @@ def process(cmd: list[str], ready_url: str, log: Path, timeout: float, env: dict
 @contextmanager
 def gateway(server, log: Path, *args: str, timeout: float = 60):
     """Our HTTP gateway (python -m egemma.gateway.app, args added) in front of a running tritonserver; yields its
-    port."""
+    port and its process."""
     port = free_port()
     cmd = [sys.executable, "-m", "egemma.gateway.app", "--port", str(port), "--triton-http", server.http_url,
            "--triton-grpc", server.grpc_url, *args]
-    with process(cmd, f"http://127.0.0.1:{port}/v1/models", log, timeout):
-        yield port
+    with process(cmd, f"http://127.0.0.1:{port}/v1/models", log, timeout) as proc:
+        yield port, proc

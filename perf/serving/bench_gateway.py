@@ -59,7 +59,7 @@ def main():
         print("grpc:", json.dumps({k: res[k] for k in ("grpc_perf_analyzer", "grpc_aio") if k in res}), flush=True)
         for w in a.workers:
             try:
-                with gateway(server, a.out / f"gateway_{w}.log", "--workers", str(w)) as port:
+                with gateway(server, a.out / f"gateway_{w}.log", "--workers", str(w)) as (port, _):
                     for fmt in a.formats:
                         http = Target("openai", f"http://127.0.0.1:{port}/v1/embeddings", NAME, encoding=fmt)
                         r = closed_loop(http, texts, a.concurrency, a.drivers, WARMUP, a.seconds)

@@ -12,7 +12,7 @@ import triton_python_backend_utils as pb_utils
 
 from egemma.engine import Engine, EngineConfig, boot
 from egemma.stub.instance import Heartbeat, instance_device
-from egemma.stub.metrics import Counters
+from egemma.stub.metrics import STUB_FAMILIES, Counters, instance_stats
 from egemma.stub.options import (OptionError, RequestOptions, allowed_dimensions, check_dimensions, from_tensor,
                                  shape_output)
 from egemma.stub.adapter import Adapter, boot_phases, setup_logging, triton_params
@@ -42,6 +42,7 @@ class TritonPythonModel:
             "encoder_seconds": "Time spent in the encoder's execute, seconds",
             "embed_seconds": "Time spent in the engine's embed (the GPU's included), seconds"})
         self.seen = dict(self.engine.stats)
+        self.stats = instance_stats(args["model_instance_name"], STUB_FAMILIES)  # histograms, read by the gateway
         boot.phase("ready")
 
     def _parse(self, req) -> tuple[RequestOptions, list[np.ndarray]]:
@@ -96,11 +97,16 @@ class TritonPythonModel:
             if i not in bad:
                 spans.append((i, len(seqs), len(seqs) + len(rows), opts))
                 seqs.extend(rows)
-        self.beat.tokens(sum(len(s) for s in seqs))  # a large batch is allowed proportionally longer
+        tokens = sum(len(s) for s in seqs)
+        self.beat.tokens(tokens)  # a large batch is allowed proportionally longer
         t1 = time.perf_counter()
         try:
             emb = self.engine.embed(seqs)
             t2 = time.perf_counter()
+            if seqs:
+                self.stats.observe("egemma_engine_duration_seconds", t2 - t1)
+                self.stats.observe("egemma_batch_size", len(seqs))
+                self.stats.observe("egemma_batch_tokens", tokens)
         except Exception as e:  # an engine fault fails this batch's requests cleanly, not the stub
             for i, *_ in spans:
                 responses[i] = self.a.internal(e, "engine failure")

@@ -12,7 +12,7 @@ from egemma.engine import boot
 from egemma.engine.config import ModelConfig
 from egemma.engine.tokenizer import TextTokenizer
 from egemma.stub.instance import Heartbeat
-from egemma.stub.metrics import Counters
+from egemma.stub.metrics import STUB_FAMILIES, Counters, instance_stats
 from egemma.stub.options import OptionError, RequestOptions, allowed_dimensions, check_dimensions, to_tensor
 from egemma.stub.adapter import Adapter, setup_logging, triton_params
 
@@ -33,6 +33,7 @@ class TritonPythonModel:
         self.beat = Heartbeat(args["model_instance_name"])
         self.counters = Counters(pb_utils, {"tokenizer_seconds": "Time spent tokenising, seconds",
                                             "texts": "Texts tokenised"})
+        self.stats = instance_stats(args["model_instance_name"], STUB_FAMILIES)  # histograms, read by the gateway
         boot.phase("ready")
 
     def _texts(self, req) -> tuple[list[str], RequestOptions]:
@@ -105,6 +106,7 @@ class TritonPythonModel:
         encoded = [(i, (texts, rows, opts)) for (i, (texts, opts)), rows in zip(parsed, self._encode(parsed, responses))
                    if rows is not None]
         self.a.respond_each(responses, encoded, self._response)
-        self.a.count(self.counters, texts=sum(len(t) for _, (t, _) in parsed),
-                     tokenizer_seconds=time.perf_counter() - t0)
+        took = time.perf_counter() - t0
+        self.stats.observe("egemma_tokenize_duration_seconds", took)
+        self.a.count(self.counters, texts=sum(len(t) for _, (t, _) in parsed), tokenizer_seconds=took)
         return responses
