@@ -126,8 +126,14 @@ def test_admit_the_api_key():
         (INFER, headers(api_key="s3cret"), None),  # Triton's header, on KServe routes
         (INFER, headers(authorization="Bearer wrong"), Kind.UNAUTHORIZED),
         (INFER, headers(authorization="s3cret"), Kind.UNAUTHORIZED),
-        (INFER, headers(authorization="Bearer s3cret", api_key="wrong"), Kind.UNAUTHORIZED),  # each must be right
-        (INFER, headers(api_key="s3cret "), Kind.UNAUTHORIZED),
+        # the credential rule: one credential, given once, its surrounding whitespace not part of it
+        (INFER, headers(authorization="Bearer s3cret", api_key="wrong"), Kind.UNAUTHORIZED),
+        (INFER, headers(authorization="Bearer s3cret", api_key="s3cret"), Kind.UNAUTHORIZED),
+        (INFER, headers(api_key="s3cret, s3cret"), Kind.UNAUTHORIZED),  # aio_header's join of a repeated header
+        (INFER, headers(api_key="s3cret, wrong"), Kind.UNAUTHORIZED),
+        (INFER, headers(api_key=" \ts3cret \t"), None),
+        (INFER, headers(authorization="Bearer s3cret  "), None),
+        (INFER, headers(api_key="s3cr et"), Kind.UNAUTHORIZED),
         ("/v1/embeddings", headers(authorization="Bearer s3cret"), None),
         ("/v1/embeddings", headers(api_key="s3cret"), Kind.UNAUTHORIZED),  # OpenAI's and TEI's: Bearer only
         ("/embed", headers(api_key="s3cret"), Kind.UNAUTHORIZED),
