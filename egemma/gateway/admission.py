@@ -171,7 +171,10 @@ def _leaves(data: list) -> list:
 def _check_data(i: dict, where: str):
     """The elements of an input's JSON data, of its datatype's JSON type: strings (BYTES), booleans (BOOL),
     numbers (FP*), integers in range (INT*, UINT*)."""
-    leaves, dt = _leaves(i["data"]), i.get("datatype")
+    leaves, dt, shape = _leaves(i["data"]), i.get("datatype"), i.get("shape")
+    if isinstance(shape, list) and len(leaves) != math.prod(shape):
+        raise GatewayError(Kind.VALIDATION, f"{where}.data holds {len(leaves)} elements, its shape {shape} "
+                                            f"{math.prod(shape)}", f"{where}.data")
     types = set(map(type, leaves))
     if dt == "BYTES":
         ok, what = types <= {str}, "strings"
