@@ -54,7 +54,7 @@ from egemma.ops.host import parse_gpus, visible_gpus
 from egemma.ops.procfs import Cancelled, connections_to
 from egemma.ops.repository import ROOT, resolve_checkpoint
 from egemma.ops.front import Front
-from egemma.ops.tritonserver import ADMIN_APIS, ADMIN_HEADER, API_HEADER, TritonServer, free_port
+from egemma.ops.tritonserver import ADMIN_APIS, ADMIN_HEADER, API_HEADER, TritonServer, free_port, path_env
 from egemma.gateway.app import DEFAULT_MAX_BODY, read_key
 
 
@@ -145,7 +145,8 @@ def main(argv=None):
                    f"--max-request-bytes={a.max_request_bytes}", f"--workers={a.gateway_workers}",
                    f"--model-name={a.served_model_name}", *(f"--alias={n}" for n in a.alias),
                    *([f"--health-file={health_file}"] if a.watchdog else []),
-                   *([f"--api-key-file={api_key_file}"] if api_key_file else [])], f"http://{h}:{a.http_port}")
+                   *([f"--api-key-file={api_key_file}"] if api_key_file else [])], f"http://{h}:{a.http_port}",
+                  env=path_env(ckpt, a.run_dir))
     print(f"starting tritonserver for {ckpt} (cache {a.cache_dir}) ...", flush=True)
     front.launch()  # its start (imports, workers) overlaps Triton's boot; it answers 503 until Triton is ready
     supervisor = None

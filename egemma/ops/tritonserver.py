@@ -24,6 +24,7 @@ from egemma.ops.host import tokenizer_instances
 from egemma.ops import shm
 from egemma.ops.procfs import end_group, wait_exit, wait_up
 from egemma.ops.repository import REPO, render_repository
+from egemma.stub.adapter import PATH_ENV
 from egemma.stub.instance import HEARTBEAT_DIR
 
 # Admin-only APIs: with them a client could read the repository layout, map shared memory, or redirect traces
@@ -71,6 +72,14 @@ def find_tritonserver() -> tuple[Path, Path]:
             raise SystemExit(f"nvidia-pytriton has no Python backend stub for Python {sys.version_info[:2]}")
         shutil.copy2(src, stub)
     return d / "bin" / "tritonserver", d / "backends"
+
+
+def path_env(checkpoint: Path, run_dir: Path) -> dict[str, str]:
+    """The paths the models (and the gateway) read, as environment variables (egemma.stub.adapter.PATH_ENV): the
+    checkpoint and the tokenizer file the server writes into run_dir. Kept out of the rendered configs, which
+    Triton serves to any client."""
+    return {PATH_ENV["checkpoint"]: str(checkpoint),
+            PATH_ENV["tokenizer_json"]: str(Path(run_dir) / "tokenizer.json")}
 
 
 _GIVEN: set[int] = set()
@@ -126,13 +135,14 @@ class TritonServer:
             tokenizer_json.write_text(text)
         else:
             resolve_ahead(checkpoint)
-        params = {"tokenizer_json": str(tokenizer_json), **(params or {})}
+        self.path_env = path_env(checkpoint, self.run_dir)
+        params = {"checkpoint": "", **(params or {})}  # paths go in the environment, not the served configs
         if repository == REPO:
             defaults = CPU_INSTANCES if not gpu_host() else {
                 "embeddinggemma_tokenizer": tokenizer_instances(usable_cores(), len(gpus or [0]))}
             instances = {**defaults, **(instances or {})}
         self.repo = render_repository(self.run_dir / "model_repository", checkpoint, params, repository,
-                                      optional=("tokenizer_json",), instances=instances, gpus=gpus,
+                                      instances=instances, gpus=gpus,
                                       response_cache=response_cache_mb > 0)
         # Every model instance stamps its executes here (egemma.stub.instance); the watchdog reads them.
         self.heartbeat_dir = self.run_dir / "heartbeat"
@@ -154,7 +164,7 @@ class TritonServer:
                     f"--exit-timeout-secs={exit_timeout_secs}", shm.prefix_arg(self.shm_prefix),
                     *(self._cache_args(response_cache_mb, Path(backends).parent) if response_cache_mb > 0 else []),
                     *extra_args]
-        env = {**os.environ, HEARTBEAT_DIR: str(self.heartbeat_dir)}
+        env = {**os.environ, **self.path_env, HEARTBEAT_DIR: str(self.heartbeat_dir)}
         # The stub runs the Python whose bin is first on PATH: this one, or $TRITON_STUB_PATH (a numpy<2 venv).
         stub_bin = stub_bin or os.environ.get("TRITON_STUB_PATH") or str(Path(sys.executable).parent)
         env["PATH"] = f"{stub_bin}{os.pathsep}{env.get('PATH', '')}"
