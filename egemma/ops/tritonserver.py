@@ -3,6 +3,7 @@ starting it on a rendered repository with the stub's Python environment first on
 and nothing of it left behind (no process of its group, no shared-memory region: egemma.ops.shm)."""
 from __future__ import annotations
 
+import functools
 import os
 import secrets
 import shutil
@@ -21,6 +22,7 @@ from egemma.engine.cpus import usable_cores
 from egemma.engine.cache import ENV
 from egemma.engine.tokenizer import cached_tokenizer_json, resolve_ahead
 from egemma.ops.host import tokenizer_instances
+from egemma.gateway.aioserver import exit_with_parent
 from egemma.ops import shm
 from egemma.ops.procfs import end_group, wait_exit, wait_up
 from egemma.ops.repository import REPO, render_repository
@@ -175,8 +177,12 @@ class TritonServer:
             env["LD_LIBRARY_PATH"] = f"{libdir}{os.pathsep}{env.get('LD_LIBRARY_PATH', '')}".rstrip(os.pathsep)
         self.log_file = log_file
         self.drained = threading.Event()  # Triton logged DRAINED: every request is answered
+        # No orphans: the server gets SIGKILL when its owner dies without stopping it (a test session killed, a
+        # script under `timeout`), and a guard then ends its stubs and removes its shared memory (egemma.ops.shm)
         self.proc = subprocess.Popen(self.cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+                                     start_new_session=True,
+                                     preexec_fn=functools.partial(exit_with_parent, os.getpid(), signal.SIGKILL))
+        self.guard = shm.guard(self.proc.pid, self.shm_prefix)
         threading.Thread(target=self._pump, name="tritonserver-log", daemon=True).start()
         shm.record(self.run_dir, self.proc.pid, self.shm_prefix)
         try:
@@ -243,6 +249,10 @@ class TritonServer:
                   f"{timeout:g}s; its shared memory stays", file=sys.stderr, flush=True)
             return
         shm.remove(self.shm_prefix)
+        try:
+            self.guard.wait(timeout)  # it finds nothing left to do
+        except subprocess.TimeoutExpired:
+            self.guard.kill()
 
     def __enter__(self):
         return self
