@@ -2,6 +2,7 @@
 request is sent concurrently with good ones, which must still equal the sentence-transformers reference; it
 costs that request only, and after every test the shared server must be live and answering correctly."""
 import json
+import time
 import queue
 
 import numpy as np
@@ -9,8 +10,8 @@ import pytest
 import requests
 import tritonclient.grpc as grpcclient
 
-from helpers import (GOOD, assert_clean_error, assert_close, fire_concurrently, max_text_bytes, raw_input, reference,
-                     st_embed_ids, st_model, text_input)
+from helpers import (GOOD, assert_clean_error, assert_close, fire_concurrently, ids_input, max_text_bytes, raw_input,
+                     reference, st_embed_ids, st_model, text_input)
 
 pytestmark = pytest.mark.usefixtures("still_serving")
 
@@ -171,3 +172,18 @@ def test_bad_seq_len_fails_alone(server, good_ref):
                 {"name": "SEQ_LEN", "shape": [1, 1], "datatype": "INT32", "data": [n]}]}, timeout=60)
             assert r.status_code == 400, (n, r.status_code, r.text)
             assert "SEQ_LEN values must lie in [1, 3]" in r.json()["error"], r.text
+
+
+def test_an_encoder_request_over_the_token_budget_is_refused_at_once(server, good_ref):
+    """256 x 2048 ids straight to the encoder (524288 tokens: minutes of two CPU cores) is over the default
+    --max-request-tokens: refused before any of it is embedded, naming the limit, while the good requests beside
+    it are answered exactly."""
+    from egemma.stub.budget import DEFAULT
+    big = ("embeddinggemma_encoder", ids_input([[2] + [5] * 2046 + [1]] * 256))
+    assert 256 * 2048 > DEFAULT
+    t0 = time.monotonic()
+    [(r, e)] = mixed(server, good_ref, [big])
+    assert r is None
+    assert_clean_error(e, f"524288 tokens, over this server's limit of {DEFAULT} tokens per request",
+                       "--max-request-tokens")
+    assert time.monotonic() - t0 < 30, "refused only after a long wait"

@@ -4,7 +4,7 @@
                           [--metrics-port 8002] [--gpus all|0,1,...] [--admin-key KEY] [--exit-timeout-secs 30]
                           [--api-key KEY | --api-key-file PATH]
                           [--no-watchdog] [--watchdog-max-busy 120] [--cache-dir ~/.cache/egemma]
-                          [--response-cache-mb 0]
+                          [--response-cache-mb 0] [--max-request-tokens 262144]
                           [--openai-port 8080] [--max-request-bytes 3145728] [--gateway-workers K]
                           [--served-model-name google/embeddinggemma-300m] [--alias NAME ...]
                           [--param KEY=VALUE ...] [--instances MODEL=N ...]
@@ -54,6 +54,7 @@ from egemma.ops.host import parse_gpus, visible_gpus
 from egemma.ops.procfs import Cancelled, connections_to
 from egemma.ops.repository import ROOT, resolve_checkpoint
 from egemma.ops.front import Front
+from egemma.stub import budget
 from egemma.ops.tritonserver import ADMIN_APIS, ADMIN_HEADER, API_HEADER, TritonServer, free_port, path_env
 from egemma.gateway.app import DEFAULT_MAX_BODY, read_key
 
@@ -86,6 +87,9 @@ def main(argv=None):
     ap.add_argument("--response-cache-mb", type=int, default=0, metavar="MB",
                     help="Triton's response cache for the encoder, that many MiB (default 0: off; README, 'One text, "
                          "one vector')")
+    ap.add_argument("--max-request-tokens", type=int, default=budget.DEFAULT, metavar="N",
+                    help=f"tokens one request may have embedded, all its inputs together; over it a request is "
+                         f"refused at once (default {budget.DEFAULT}; docs/limits.md)")
     ap.add_argument("--openai-port", type=int, help="a second port of the gateway (OpenAI, TEI and KServe routes)")
     ap.add_argument("--served-model-name", default="google/embeddinggemma-300m",
                     help="the model name the OpenAI and TEI routes answer to and report")
@@ -122,7 +126,7 @@ def main(argv=None):
     except ValueError as e:
         ap.error(str(e))
     ckpt = resolve_checkpoint(a.model)
-    params = dict(p.split("=", 1) for p in a.param)
+    params = {budget.PARAMETER: str(a.max_request_tokens), **dict(p.split("=", 1) for p in a.param)}
     instances = {m: int(n) for m, n in (p.split("=", 1) for p in a.instances)}
     key = a.admin_key or secrets.token_urlsafe(16)
     api_key_file = _api_key_file(a)
