@@ -6,7 +6,7 @@ take the fast lane (egemma.gateway.fastlane); the rest, and every route below, a
   python -m egemma.gateway.app --port 8000 [--port 8080 ...] --triton-http 127.0.0.1:P --triton-grpc 127.0.0.1:Q
       [--host 127.0.0.1] [--max-request-bytes 3145728] [--workers 1] [--model-name google/embeddinggemma-300m]
       [--alias NAME ...] [--health-file PATH] [--triton-metrics 127.0.0.1:R] [--max-connections 1024]
-      [--idle-timeout 60] [--body-timeout 60] [--api-key-file PATH]
+      [--idle-timeout 60] [--body-timeout 60] [--api-key-file PATH] [--retry-seconds 30]
 
 Triton 2.51's HTTP server dies on some single requests (tests/test_front.py keeps each one, against bare Triton);
 what reaches it from here cannot be one of them:
@@ -51,7 +51,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from egemma.gateway import calls, openai_api, tei_api
+from egemma.gateway import calls, openai_api, retry, tei_api
 from egemma.gateway.admission import admit, aio_header, read_body
 from egemma.gateway.aioserver import event_loop_runner, exit_with_parent, listen, serve
 from egemma.gateway.common import DEFAULT_MAX_BODY, GW, Gateway, error_response, readiness, verdict
@@ -80,7 +80,8 @@ async def proxy(request: web.Request) -> web.Response:
         if body:  # a GET body too: never trust Triton to ignore it
             admit(gw, request.path, aio_header(request), body)
     try:
-        status, h, data = await gw.upstream.request(request.method, request.rel_url.raw_path_qs, headers, body)
+        status, h, data = await retry.call(gw, lambda: gw.upstream.request(request.method, request.rel_url.raw_path_qs,
+                                                                           headers, body))
     except (OSError, asyncio.TimeoutError) as e:
         raise from_exception(e) from None
     return web.Response(status=status, body=data,
@@ -153,7 +154,12 @@ def _drop_if_unread(request: web.Request):
 async def _clients(app: web.Application):
     import tritonclient.grpc.aio as grpcaio
     gw = app[GW]
-    gw.grpc = grpcaio.InferenceServerClient(gw.triton_grpc)
+    # tritonclient's channel options, with reconnects after a restart tried every 0.1-0.5 s (gRPC's default backoff
+    # grows to minutes: the server would be back long before the channel looks again)
+    gw.grpc = grpcaio.InferenceServerClient(gw.triton_grpc, channel_args=[
+        ("grpc.max_send_message_length", 2 ** 31 - 1), ("grpc.max_receive_message_length", 2 ** 31 - 1),
+        ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 500)])
     gw.upstream = Upstream(gw.triton_http)
     if gw.draining:
         gw.upstream.drain()
@@ -205,6 +211,8 @@ def main(argv=None):
     ap.add_argument("--body-timeout", type=float, default=60.0, help="seconds for a request's whole body")
     ap.add_argument("--api-key-file", help="a file holding the API key that inference routes require "
                                            "(Authorization: Bearer KEY; KServe also api-key: KEY)")
+    ap.add_argument("--retry-seconds", type=float, default=30.0,
+                    help="how long a request that failed because the server was restarting is tried again")
     ap.add_argument("--exit-with-parent", type=int, metavar="PID",
                     help="exit when process PID (the launcher, our parent) dies, even by SIGKILL")
     a = ap.parse_args(argv)
@@ -217,7 +225,8 @@ def main(argv=None):
     socks = [listen(a.host, p) for p in a.port]  # bound once, shared by the workers (one accept queue)
     gw = Gateway(triton_http=a.triton_http, triton_grpc=a.triton_grpc, model_name=a.model_name,
                  aliases=tuple(a.alias), max_body=a.max_request_bytes, health_file=a.health_file,
-                 triton_metrics=a.triton_metrics, body_timeout=a.body_timeout, api_key=read_key(a.api_key_file))
+                 triton_metrics=a.triton_metrics, body_timeout=a.body_timeout, api_key=read_key(a.api_key_file),
+                 retry_s=a.retry_seconds)
     run, loop = event_loop_runner()
 
     def worker(siblings: tuple[int, ...] = ()):

@@ -12,6 +12,7 @@ from aiohttp import web
 from tritonclient.utils import InferenceServerException
 
 from egemma.engine.ids import complete
+from egemma.gateway import retry
 from egemma.gateway.common import GW
 from egemma.gateway.errors import GatewayError, Kind
 from egemma.stub.adapter import triton_params
@@ -30,9 +31,12 @@ _KINDS = {"StatusCode.INVALID_ARGUMENT": Kind.VALIDATION, "StatusCode.UNAVAILABL
 
 async def _infer(gw, model: str, inputs, outputs, params: dict):
     try:
-        return await gw.grpc.infer(model, inputs, outputs=outputs, parameters=params or None,
-                                   headers=gw.grpc_headers)
+        return await retry.call(gw, lambda: gw.grpc.infer(model, inputs, outputs=outputs, parameters=params or None,
+                                                          headers=gw.grpc_headers))
     except InferenceServerException as e:
+        if "Request timeout expired" in (e.message() or ""):  # the models' queue time limit (their configs)
+            raise GatewayError(Kind.OVERLOADED, f"{e.message()}: the request waited in a model's queue past this "
+                                                "server's time limit (120 s); the server is busy, retry later") from None
         raise GatewayError(_KINDS.get(str(e.status()), Kind.BACKEND), e.message()) from None
 
 

@@ -30,6 +30,7 @@ class Gateway:
     triton_metrics: str | None = None  # host:port of Triton's metrics, for TEI's GET /metrics
     body_timeout: float = 60.0  # s for a request's whole body to arrive
     api_key: bytes | None = None  # what inference routes require (egemma.gateway.admission), and Triton too
+    retry_s: float = 30.0  # how long a request is tried again while the server restarts (egemma.gateway.retry)
     upstream: object = field(default=None, init=False)  # egemma.gateway.upstream.Upstream to triton_http
     draining: bool = field(default=False, init=False)  # SIGUSR1: the server is stopping
 

@@ -15,6 +15,7 @@ import logging
 import re
 import socket
 
+from egemma.gateway import retry
 from egemma.gateway.admission import admit
 from egemma.gateway.errors import GatewayError, Protocol, from_exception, raw
 
@@ -199,7 +200,7 @@ class _Lane(asyncio.Protocol):
         if self.lanes.gw.api_key is not None:  # admitted: the key as Triton's check wants it, whatever form it came in
             head = _API_KEY.sub(b"", request[:start - 4]) if b"api-key" in headers else request[:start - 4]
             request = head + b"\r\napi-key: " + self.lanes.gw.api_key + b"\r\n\r\n" + request[start:]
-        self.lanes.gw.upstream.send_raw(request, self._answered)
+        retry.raw(self.lanes.gw, request, self._answered)
 
     def _hand_over(self) -> bool:
         """This connection to aiohttp's handler from here on, with what it has sent; False."""
