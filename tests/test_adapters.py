@@ -47,7 +47,8 @@ def batching_repository(tmp_path):
     cfg = repo / "embeddinggemma_tokenizer" / "config.pbtxt"
     text = cfg.read_text()
     assert text.count("max_queue_delay_microseconds: 0\n") == 1
-    cfg.write_text(text.replace("max_queue_delay_microseconds: 0\n", f"max_queue_delay_microseconds: {QUEUE_DELAY_US}\n"))
+    cfg.write_text(text.replace("max_queue_delay_microseconds: 0\n",
+                                f"max_queue_delay_microseconds: {QUEUE_DELAY_US}\n"))
     return repo
 
 

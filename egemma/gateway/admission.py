@@ -151,7 +151,7 @@ _TENSOR = {"name": str, "datatype": str, "shape": list, "parameters": dict, "dat
 _TENSOR_PARAMS = {"binary_data_size": int, "binary_data": bool, "shared_memory_region": str,
                   "shared_memory_offset": int, "shared_memory_byte_size": int, "classification": int}
 _JSON = {dict: "object", list: "array", str: "string", int: "integer", bool: "boolean"}
-_INT64, _UINT64 = (-(1 << 63), 1 << 63), (0, 1 << 64)  # what Triton's JSON reader takes for integer types
+_BITS = {f"{u}INT{b}": b for u in ("", "U") for b in (8, 16, 32, 64)}
 
 
 def _fields(obj, types: dict, where: str):
@@ -182,9 +182,10 @@ def _check_data(i: dict, where: str):
         ok, what = types <= {bool}, "true / false"
     elif isinstance(dt, str) and dt.startswith("FP"):
         ok, what = types <= {int, float}, "numbers"
-    elif isinstance(dt, str) and dt.startswith(("INT", "UINT")):
-        lo, hi = _UINT64 if dt == "UINT64" else _INT64
-        ok, what = types <= {int} and (not leaves or lo <= min(leaves) and max(leaves) < hi), f"integers in [{lo}, {hi})"
+    elif dt in _BITS:  # in the type's range: Triton would wrap 2^40 in INT32 data to 0, a valid token id
+        lo, hi = (0, 1 << _BITS[dt]) if dt[0] == "U" else (-(1 << _BITS[dt] - 1), 1 << _BITS[dt] - 1)
+        ok = types <= {int} and (not leaves or lo <= min(leaves) and max(leaves) < hi)
+        what = f"integers in [{lo}, {hi})"
     else:
         return  # Triton names the datatype it does not know
     if not ok:

@@ -30,6 +30,9 @@ stop) starts the drain: readiness and new KServe requests answer 503 from then o
 are answered), and the connections to Triton's HTTP close as soon as each is idle (Triton 2.51, stopping, waits
 for every open HTTP connection until its exit timeout).
 
+A request that fails because the server is restarting (a model process died: the watchdog's restart) is tried
+again for up to --retry-seconds (egemma.gateway.retry), on every route: HTTP clients see delay, not the restart.
+
 With --api-key-file, inference routes answer only to its key (egemma.gateway.admission.needs_key), which the
 gateway passes on where it calls Triton itself (its HTTP proxy, its gRPC client; Triton checks it too).
 Every route answers errors in its protocol's shape (egemma.gateway.errors), through one middleware that also

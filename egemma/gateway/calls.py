@@ -36,7 +36,7 @@ async def _infer(gw, model: str, inputs, outputs, params: dict):
     except InferenceServerException as e:
         if "Request timeout expired" in (e.message() or ""):  # the models' queue time limit (their configs)
             raise GatewayError(Kind.OVERLOADED, f"{e.message()}: the request waited in a model's queue past this "
-                                                "server's time limit (120 s); the server is busy, retry later") from None
+                                                "server's time limit (120 s); it is busy, retry later") from None
         raise GatewayError(_KINDS.get(str(e.status()), Kind.BACKEND), e.message()) from None
 
 
