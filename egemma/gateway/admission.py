@@ -3,8 +3,8 @@ where the route needs one, the body limit, the body's encoding, and what Triton 
 compressed bodies, inflates without bound; tests/test_front.py sends each to a bare Triton): JSON nested deeper than
 MAX_JSON_DEPTH, infer inputs whose shape asks for more elements than their JSON data can hold or has dims outside
 [0, 2^63), duplicate keys, an Inference-Header-Content-Length that is not a byte count within the body; and what it
-answers with a 500 or takes wrongly (check_request): a lone surrogate escape anywhere in the JSON, a field or a
-`data` element of the wrong JSON type, a string parameter holding NUL (Triton's C API would cut it there)."""
+answers with a 500 or takes wrongly (egemma.gateway.kserve_types): a lone surrogate escape anywhere in the JSON, a
+field or a `data` element of the wrong JSON type, a string parameter holding NUL."""
 from __future__ import annotations
 
 import hmac
@@ -17,6 +17,7 @@ import numpy as np
 from aiohttp import web
 
 from egemma.gateway.errors import GatewayError, Kind
+from egemma.gateway.kserve_types import SURROGATE_ESCAPE, check_request, lone_surrogate
 
 MAX_JSON_DEPTH = 100  # what Triton adopted upstream (#8172); a KServe request needs ~10
 ENCODINGS = (b"identity", b"gzip", b"deflate")  # what aiohttp inflates as the body arrives
@@ -144,88 +145,6 @@ def check_inputs(req, json_len: int):
                                                 f"{json_len}-byte JSON request can carry")
 
 
-_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")  # a surrogate escape: checked to be half of a pair (rare: decoded)
-# The JSON type of each field Triton reads (it answers a 500 for another); a tensor's parameters' too.
-_REQUEST = {"id": str, "parameters": dict, "inputs": list, "outputs": list}
-_TENSOR = {"name": str, "datatype": str, "shape": list, "parameters": dict, "data": list}
-_TENSOR_PARAMS = {"binary_data_size": int, "binary_data": bool, "shared_memory_region": str,
-                  "shared_memory_offset": int, "shared_memory_byte_size": int, "classification": int}
-_JSON = {dict: "object", list: "array", str: "string", int: "integer", bool: "boolean"}
-_BITS = {f"{u}INT{b}": b for u in ("", "U") for b in (8, 16, 32, 64)}
-
-
-def _fields(obj, types: dict, where: str):
-    if not isinstance(obj, dict):
-        raise GatewayError(Kind.VALIDATION, f"{where} must be a JSON object", where)
-    for k, t in types.items():
-        if k in obj and type(obj[k]) is not t:
-            raise GatewayError(Kind.VALIDATION, f"{where}.{k} must be a JSON {_JSON[t]}", f"{where}.{k}")
-
-
-def _leaves(data: list) -> list:
-    while any(type(x) is list for x in data):
-        data = [y for x in data for y in (x if type(x) is list else (x,))]
-    return data
-
-
-def _check_data(i: dict, where: str):
-    """The elements of an input's JSON data, of its datatype's JSON type: strings (BYTES), booleans (BOOL),
-    numbers (FP*), integers in range (INT*, UINT*)."""
-    leaves, dt, shape = _leaves(i["data"]), i.get("datatype"), i.get("shape")
-    if isinstance(shape, list) and len(leaves) != math.prod(shape):
-        raise GatewayError(Kind.VALIDATION, f"{where}.data holds {len(leaves)} elements, its shape {shape} "
-                                            f"{math.prod(shape)}", f"{where}.data")
-    types = set(map(type, leaves))
-    if dt == "BYTES":
-        ok, what = types <= {str}, "strings"
-    elif dt == "BOOL":
-        ok, what = types <= {bool}, "true / false"
-    elif isinstance(dt, str) and dt.startswith("FP"):
-        ok, what = types <= {int, float}, "numbers"
-    elif dt in _BITS:  # in the type's range: Triton would wrap 2^40 in INT32 data to 0, a valid token id
-        lo, hi = (0, 1 << _BITS[dt]) if dt[0] == "U" else (-(1 << _BITS[dt] - 1), 1 << _BITS[dt] - 1)
-        ok = types <= {int} and (not leaves or lo <= min(leaves) and max(leaves) < hi)
-        what = f"integers in [{lo}, {hi})"
-    else:
-        return  # Triton names the datatype it does not know
-    if not ok:
-        raise GatewayError(Kind.VALIDATION, f"{where}.data must hold only {what} for datatype {dt}", f"{where}.data")
-
-
-def check_request(req):
-    """A KServe infer request's fields and data of the JSON types Triton reads, and no string parameter with NUL."""
-    _fields(req, _REQUEST, "request")
-    for k, v in (req.get("parameters") or {}).items():
-        if isinstance(v, str) and "\0" in v:
-            raise GatewayError(Kind.VALIDATION, f"parameter {k} must not contain NUL (it would be cut there)", k)
-    for kind in ("inputs", "outputs"):
-        for j, t in enumerate(req.get(kind) or ()):
-            where = f"{kind}[{j}]"
-            _fields(t, _TENSOR, where)
-            _fields(t.get("parameters", {}), _TENSOR_PARAMS, f"{where}.parameters")
-            if "shape" in t and not all(type(d) is int for d in t["shape"]):
-                raise GatewayError(Kind.VALIDATION, f"{where}.shape must hold only integers", f"{where}.shape")
-            if kind == "inputs" and "data" in t:
-                _check_data(t, where)
-
-
-def _lone_surrogate(obj) -> bool:
-    """Whether any string of the decoded JSON, a key too, holds half of a surrogate pair (not UTF-8 encodable)."""
-    stack = [obj]
-    while stack:
-        o = stack.pop()
-        if isinstance(o, str):
-            try:
-                o.encode()
-            except UnicodeEncodeError:
-                return True
-        elif isinstance(o, dict):
-            stack += [*o.keys(), *o.values()]
-        elif isinstance(o, list):
-            stack += o
-    return False
-
-
 def check_kserve(path: str, n: bytes | None, body: bytes) -> None:
     """GatewayError for a KServe request body to path that Triton cannot be trusted with (the module docstring
     lists them); n: its Inference-Header-Content-Length header."""
@@ -241,13 +160,13 @@ def check_kserve(path: str, n: bytes | None, body: bytes) -> None:
         head = body
     if json_depth(head) > MAX_JSON_DEPTH:
         raise GatewayError(Kind.MALFORMED, f"request JSON is nested deeper than {MAX_JSON_DEPTH} levels")
-    escapes = _SURROGATE.search(head) is not None
+    escapes = SURROGATE_ESCAPE.search(head) is not None
     if path.endswith("/infer") or escapes:
         try:
             req = _DECODER.decode(head.decode("utf-8", "surrogateescape"))
         except (ValueError, RecursionError) as e:
             raise GatewayError(Kind.MALFORMED, f"request JSON is not valid: {e}") from None
-        if escapes and _lone_surrogate(req):
+        if escapes and lone_surrogate(req):
             raise GatewayError(Kind.MALFORMED, "request JSON holds a lone surrogate escape (e.g. \\ud800 without its "
                                                "pair), which is no Unicode text")
         if path.endswith("/infer"):

@@ -30,13 +30,12 @@ stop) starts the drain: readiness and new KServe requests answer 503 from then o
 are answered), and the connections to Triton's HTTP close as soon as each is idle (Triton 2.51, stopping, waits
 for every open HTTP connection until its exit timeout).
 
-A request that fails because the server is restarting (a model process died: the watchdog's restart) is tried
-again for up to --retry-seconds (egemma.gateway.retry), on every route: HTTP clients see delay, not the restart.
 
 With --api-key-file, inference routes answer only to its key (egemma.gateway.admission.needs_key), which the
 gateway passes on where it calls Triton itself (its HTTP proxy, its gRPC client; Triton checks it too).
 Every route answers errors in its protocol's shape (egemma.gateway.errors), through one middleware that also
-admits each request (egemma.gateway.admission: the API key, the body limit) before its handler runs; route
+admits each request (egemma.gateway.admission: the API key, the body limit) before its handler runs (and tries
+again one that a server restart failed, for up to --retry-seconds: egemma.gateway.retry); route
 handlers raise GatewayError. Route modules read the app's state as request.app[GW], a Gateway
 (egemma.gateway.common); its gRPC client and the HTTP pool to Triton are made when the app starts and closed at
 cleanup."""
@@ -157,12 +156,7 @@ def _drop_if_unread(request: web.Request):
 async def _clients(app: web.Application):
     import tritonclient.grpc.aio as grpcaio
     gw = app[GW]
-    # tritonclient's channel options, with reconnects after a restart tried every 0.1-0.5 s (gRPC's default backoff
-    # grows to minutes: the server would be back long before the channel looks again)
-    gw.grpc = grpcaio.InferenceServerClient(gw.triton_grpc, channel_args=[
-        ("grpc.max_send_message_length", 2 ** 31 - 1), ("grpc.max_receive_message_length", 2 ** 31 - 1),
-        ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
-        ("grpc.max_reconnect_backoff_ms", 500)])
+    gw.grpc = grpcaio.InferenceServerClient(gw.triton_grpc, channel_args=retry.CHANNEL_ARGS)
     gw.upstream = Upstream(gw.triton_http)
     if gw.draining:
         gw.upstream.drain()
@@ -214,8 +208,7 @@ def main(argv=None):
     ap.add_argument("--body-timeout", type=float, default=60.0, help="seconds for a request's whole body")
     ap.add_argument("--api-key-file", help="a file holding the API key that inference routes require "
                                            "(Authorization: Bearer KEY; KServe also api-key: KEY)")
-    ap.add_argument("--retry-seconds", type=float, default=30.0,
-                    help="how long a request that failed because the server was restarting is tried again")
+    ap.add_argument("--retry-seconds", type=float, default=30.0, help="how long a request is retried in a restart")
     ap.add_argument("--exit-with-parent", type=int, metavar="PID",
                     help="exit when process PID (the launcher, our parent) dies, even by SIGKILL")
     a = ap.parse_args(argv)
@@ -226,10 +219,9 @@ def main(argv=None):
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     max_connections = min(a.max_connections, max(16, (hard - 64) // 2))  # each also holds one to Triton
     socks = [listen(a.host, p) for p in a.port]  # bound once, shared by the workers (one accept queue)
-    gw = Gateway(triton_http=a.triton_http, triton_grpc=a.triton_grpc, model_name=a.model_name,
+    gw = Gateway(triton_http=a.triton_http, triton_grpc=a.triton_grpc, model_name=a.model_name, retry_s=a.retry_seconds,
                  aliases=tuple(a.alias), max_body=a.max_request_bytes, health_file=a.health_file,
-                 triton_metrics=a.triton_metrics, body_timeout=a.body_timeout, api_key=read_key(a.api_key_file),
-                 retry_s=a.retry_seconds)
+                 triton_metrics=a.triton_metrics, body_timeout=a.body_timeout, api_key=read_key(a.api_key_file))
     run, loop = event_loop_runner()
 
     def worker(siblings: tuple[int, ...] = ()):

@@ -19,6 +19,11 @@ from egemma.gateway.upstream import UpstreamError
 RESTARTING = ("is not healthy", "Stub process")
 NOT_RESTARTING = ("restricted", "Request timeout expired")  # UNAVAILABLE too: no API key; the queue time limit
 RETRY_EVERY = 0.05  # s, the first wait
+# The gateway's gRPC channel: tritonclient's message limits, and reconnects after a restart tried every 0.1-0.5 s
+# (gRPC's default backoff grows to minutes: the server would be back long before the channel looked again)
+CHANNEL_ARGS = [("grpc.max_send_message_length", 2 ** 31 - 1), ("grpc.max_receive_message_length", 2 ** 31 - 1),
+                ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                ("grpc.max_reconnect_backoff_ms", 500)]
 
 
 def restarting(outcome) -> bool:

@@ -52,10 +52,10 @@ from egemma.engine.cpus import usable_cores
 from egemma.ops import cachedir
 from egemma.ops.host import parse_gpus, visible_gpus
 from egemma.ops.procfs import Cancelled, connections_to
-from egemma.ops.repository import ROOT, resolve_checkpoint
+from egemma.ops.repository import ROOT, path_env, resolve_checkpoint
 from egemma.ops.front import Front
 from egemma.stub import budget
-from egemma.ops.tritonserver import ADMIN_APIS, ADMIN_HEADER, API_HEADER, TritonServer, free_port, path_env
+from egemma.ops.tritonserver import ADMIN_APIS, ADMIN_HEADER, API_HEADER, TritonServer, free_port
 from egemma.gateway.app import DEFAULT_MAX_BODY, read_key
 
 

@@ -62,6 +62,15 @@ def guard(server_pid: int, prefix: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "egemma.ops.shm", str(server_pid), prefix], stdin=subprocess.DEVNULL)
 
 
+def reap_guard(guard: subprocess.Popen, timeout: float):
+    """Wait for a guard whose server is gone (it finds nothing left to do), SIGKILL it after timeout."""
+    try:
+        guard.wait(timeout)
+    except subprocess.TimeoutExpired:
+        guard.kill()
+        guard.wait()
+
+
 def _guard_main(server_pid: int, prefix: str):
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # a Ctrl-C or a stop of the owner's group: clean up
         signal.signal(sig, signal.SIG_IGN)                       # all the same, once the server is gone

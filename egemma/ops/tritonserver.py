@@ -25,8 +25,7 @@ from egemma.ops.host import tokenizer_instances
 from egemma.gateway.aioserver import exit_with_parent
 from egemma.ops import shm
 from egemma.ops.procfs import end_group, wait_exit, wait_up
-from egemma.ops.repository import REPO, render_repository
-from egemma.stub.adapter import PATH_ENV
+from egemma.ops.repository import REPO, path_env, render_repository
 from egemma.stub.instance import HEARTBEAT_DIR
 
 # Admin-only APIs: with them a client could read the repository layout, map shared memory, or redirect traces
@@ -74,14 +73,6 @@ def find_tritonserver() -> tuple[Path, Path]:
             raise SystemExit(f"nvidia-pytriton has no Python backend stub for Python {sys.version_info[:2]}")
         shutil.copy2(src, stub)
     return d / "bin" / "tritonserver", d / "backends"
-
-
-def path_env(checkpoint: Path, run_dir: Path) -> dict[str, str]:
-    """The paths the models (and the gateway) read, as environment variables (egemma.stub.adapter.PATH_ENV): the
-    checkpoint and the tokenizer file the server writes into run_dir. Kept out of the rendered configs, which
-    Triton serves to any client."""
-    return {PATH_ENV["checkpoint"]: str(checkpoint),
-            PATH_ENV["tokenizer_json"]: str(Path(run_dir) / "tokenizer.json")}
 
 
 _GIVEN: set[int] = set()
@@ -249,10 +240,7 @@ class TritonServer:
                   f"{timeout:g}s; its shared memory stays", file=sys.stderr, flush=True)
             return
         shm.remove(self.shm_prefix)
-        try:
-            self.guard.wait(timeout)  # it finds nothing left to do
-        except subprocess.TimeoutExpired:
-            self.guard.kill()
+        shm.reap_guard(self.guard, timeout)
 
     def __enter__(self):
         return self
