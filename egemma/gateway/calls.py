@@ -35,8 +35,8 @@ async def _infer(gw, model: str, inputs, outputs, params: dict):
                                                           headers=gw.grpc_headers))
     except InferenceServerException as e:
         if "Request timeout expired" in (e.message() or ""):  # the models' queue time limit (their configs)
-            raise GatewayError(Kind.OVERLOADED, f"{e.message()}: the request waited in a model's queue past this "
-                                                "server's time limit (120 s); it is busy, retry later") from None
+            raise GatewayError(Kind.OVERLOADED, f"{e.message()}: the request waited in a model's queue past the "
+                                                "server's time limit (docs/limits.md); retry later") from None
         raise GatewayError(_KINDS.get(str(e.status()), Kind.BACKEND), e.message()) from None
 
 
