@@ -138,6 +138,7 @@ def start_front(server, log: Path, *extra: str):
     from egemma.ops.tritonserver import free_port
     port = free_port()
     front = Front([f"--port={port}", f"--triton-http={server.http_url}", f"--triton-grpc={server.grpc_url}",
-                   *extra], f"http://127.0.0.1:{port}", log=lambda msg: log.open("a").write(msg + "\n"))
+                   *extra], f"http://127.0.0.1:{port}", log=lambda msg: log.open("a").write(msg + "\n"),
+                  env=server.path_env)
     front.port = port
     return front.start()

@@ -46,8 +46,9 @@ def batching_repository(tmp_path):
     shutil.copytree(ROOT / "model_repository", repo, ignore=shutil.ignore_patterns("__pycache__"))
     cfg = repo / "embeddinggemma_tokenizer" / "config.pbtxt"
     text = cfg.read_text()
-    assert text.count("max_queue_delay_microseconds: 0 ") == 1
-    cfg.write_text(text.replace("max_queue_delay_microseconds: 0 ", f"max_queue_delay_microseconds: {QUEUE_DELAY_US} "))
+    assert text.count("max_queue_delay_microseconds: 0\n") == 1
+    cfg.write_text(text.replace("max_queue_delay_microseconds: 0\n",
+                                f"max_queue_delay_microseconds: {QUEUE_DELAY_US}\n"))
     return repo
 
 

@@ -18,9 +18,13 @@ from helpers import GOOD, Launcher, assert_close, text_input, wait_for
 from rawhttp import INFER, request, via_aiohttp
 
 KEY = "k3y-for-the-tests-0123456789"
+# the credential rule: one credential, given once (headers differing in case are two lines of one header)
 WRONG = {"none": {}, "wrong bearer": {"Authorization": f"Bearer {KEY}x"}, "wrong api-key": {"api-key": KEY[:-1]},
-         "key without Bearer": {"Authorization": KEY}}
-RIGHT = {"bearer": {"Authorization": f"Bearer {KEY}"}, "api-key": {"api-key": KEY}}
+         "key without Bearer": {"Authorization": KEY}, "the right key twice": {"api-key": KEY, "API-Key": KEY},
+         "right, then wrong": {"api-key": KEY, "API-Key": KEY + "x"}}
+WRONG_KSERVE = {"both credentials, right": {"api-key": KEY, "Authorization": f"Bearer {KEY}"}}  # api-key: KServe's
+RIGHT = {"bearer": {"Authorization": f"Bearer {KEY}"}, "api-key": {"api-key": KEY},
+         "padded api-key": {"api-key": f"  {KEY} \t"}, "padded bearer": {"Authorization": f"\tBearer {KEY}  "}}
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +43,7 @@ def keyed(checkpoints, tmp_path_factory):
                  "the launcher to print ready")
         assert la.proc.poll() is None, la.stderr.read_text()[-3000:]
         la.server_pid()
-        la.ports, la.url = ports, f"http://127.0.0.1:{ports['http']}"
+        la.ports, la.url, la.run_dir = ports, f"http://127.0.0.1:{ports['http']}", d / "run"
         yield la
     finally:
         la.close()
@@ -59,7 +63,7 @@ def embedding(body: bytes) -> np.ndarray:
 def test_kserve_http_needs_the_key_on_both_lanes(keyed, good_ref, lane):
     port, body = keyed.ports["http"], kserve_body(GOOD[:2])
     path = INFER if lane == "fast lane" else via_aiohttp(f"POST {INFER} HTTP/1.1\r\n".encode()).split()[1].decode()
-    for name, headers in WRONG.items():
+    for name, headers in {**WRONG, **WRONG_KSERVE}.items():
         status, h, b = request(port, "POST", path, body, headers)
         assert status == 401 and h["content-type"] == "application/json", (name, status, b)
         assert json.loads(b).keys() == {"error"} and "API key" in json.loads(b)["error"], b
@@ -143,6 +147,22 @@ def test_probes_metadata_and_metrics_stay_open(keyed):
     assert "egemma_" in requests.get(f"http://127.0.0.1:{keyed.ports['metrics']}/metrics", timeout=10).text
     # a route that does not exist is a 404 before any key is asked for
     assert requests.get(keyed.url + "/nope", timeout=10).status_code == 404
+
+
+def test_model_configs_show_no_filesystem_path(keyed, checkpoints):
+    """Config and metadata are open: they hold no path (the launcher passes the checkpoint and tokenizer file in the
+    server's environment), over the gateway's two paths and Triton's gRPC alike."""
+    port, c = keyed.ports["http"], grpcclient.InferenceServerClient(f"127.0.0.1:{keyed.ports['grpc']}")
+    for model in ("embeddinggemma", "embeddinggemma_encoder", "embeddinggemma_tokenizer"):
+        texts = [json.dumps(c.get_model_config(model, as_json=True)), json.dumps(c.get_model_metadata(model,
+                                                                                                      as_json=True))]
+        for path in (f"/v2/models/{model}/config", f"/v2/models/{model}"):
+            for p in (path, via_aiohttp(f"GET {path} HTTP/1.1\r\n".encode()).split()[1].decode()):
+                status, _, b = request(port, "GET", p)
+                assert status == 200, (p, b[:200])
+                texts.append(b.decode())
+        for t in texts:
+            assert str(checkpoints["eos"]) not in t and "tokenizer.json" not in t and str(keyed.run_dir) not in t, t
 
 
 def test_no_key_and_no_traceback_in_the_logs(keyed):

@@ -2,6 +2,7 @@
 request is sent concurrently with good ones, which must still equal the sentence-transformers reference; it
 costs that request only, and after every test the shared server must be live and answering correctly."""
 import json
+import time
 import queue
 
 import numpy as np
@@ -9,8 +10,8 @@ import pytest
 import requests
 import tritonclient.grpc as grpcclient
 
-from helpers import (GOOD, assert_clean_error, assert_close, fire_concurrently, max_text_bytes, raw_input, reference,
-                     st_embed_ids, st_model, text_input)
+from helpers import (GOOD, assert_clean_error, assert_close, fire_concurrently, ids_input, max_text_bytes, model_stats,
+                     raw_input, reference, st_embed_ids, st_model, text_input, wait_for)
 
 pytestmark = pytest.mark.usefixtures("still_serving")
 
@@ -171,3 +172,44 @@ def test_bad_seq_len_fails_alone(server, good_ref):
                 {"name": "SEQ_LEN", "shape": [1, 1], "datatype": "INT32", "data": [n]}]}, timeout=60)
             assert r.status_code == 400, (n, r.status_code, r.text)
             assert "SEQ_LEN values must lie in [1, 3]" in r.json()["error"], r.text
+
+
+def test_an_encoder_request_over_the_token_budget_is_refused_at_once(server, good_ref):
+    """256 x 2048 ids straight to the encoder (524288 tokens: minutes of two CPU cores) is over the default
+    --max-request-tokens: refused before any of it is embedded, naming the limit, while the good requests beside
+    it are answered exactly."""
+    from egemma.stub.budget import DEFAULT
+    big = ("embeddinggemma_encoder", ids_input([[2] + [5] * 2046 + [1]] * 256))
+    assert 256 * 2048 > DEFAULT
+    t0 = time.monotonic()
+    [(r, e)] = mixed(server, good_ref, [big])
+    assert r is None
+    assert_clean_error(e, f"524288 tokens, over this server's limit of {DEFAULT} tokens per request",
+                       "--max-request-tokens")
+    assert time.monotonic() - t0 < 30, "refused only after a long wait"
+
+
+def test_a_request_queued_past_the_time_limit_is_refused_with_a_clear_error(start_server, tmp_path):
+    """The models' queue time limit (default_queue_policy in their configs; 120 s, here 1 s): requests queued behind
+    a long one on the one encoder instance are refused with "Request timeout expired" (gRPC UNAVAILABLE) instead of
+    waiting for minutes; the long one is answered."""
+    import shutil
+
+    from helpers import ROOT
+    repo = tmp_path / "repository"
+    shutil.copytree(ROOT / "model_repository", repo, ignore=shutil.ignore_patterns("__pycache__"))
+    cfg = repo / "embeddinggemma_encoder" / "config.pbtxt"
+    text = cfg.read_text()
+    assert text.count("default_timeout_microseconds: 120000000 ") == 1
+    cfg.write_text(text.replace("default_timeout_microseconds: 120000000 ", "default_timeout_microseconds: 1000000 "))
+    srv = start_server(repository=repo, instances={"embeddinggemma_encoder": 1})
+    c, long, done = grpcclient.InferenceServerClient(srv.grpc_url), ["kalo the " * 1500] * 32, queue.Queue()
+    c.async_infer("embeddinggemma", [text_input(long)], callback=lambda result, error: done.put((result, error)),
+                  client_timeout=300)
+    wait_for(lambda: model_stats(c, "embeddinggemma_tokenizer")[0] >= 32, 60, "the long request to reach the encoder")
+    behind = fire_concurrently(c, [("embeddinggemma", [text_input(long[:8])]) for _ in range(2)], timeout=300)
+    assert done.get(timeout=300)[1] is None
+    if any(e is None for _, e in behind):  # the long one was done before they queued: nothing to show
+        pytest.skip("the encoder answered the long request before the others queued behind it")
+    for _, e in behind:
+        assert_clean_error(e, "Request timeout expired", status="StatusCode.UNAVAILABLE")

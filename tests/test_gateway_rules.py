@@ -63,6 +63,27 @@ def test_json_depth():
     (b"999", "{}", Kind.MALFORMED),  # past the body
     (b"-1", "{}", Kind.MALFORMED),
     (b"9" * 5000, "{}", Kind.MALFORMED),
+    # what Triton 2.51 answers with a 500 (tests/test_fuzz.py finds each on every route)
+    (None, json.dumps({"inputs": [{"name": "TEXT", "shape": [1, 1], "datatype": "BYTES", "data": ["a\ud800"]}]}),
+     Kind.MALFORMED),  # a lone surrogate escape
+    (None, json.dumps({"inputs": [{"name": "TEXT", "shape": [1, 1], "datatype": "BYTES", "data": ["\U0001F680"]}]}),
+     None),  # a pair, as json.dumps writes it
+    (None, json.dumps({"inputs": [{"name": "TEXT", "shape": [1, 1], "datatype": "BYTES", "data": [1]}]}),
+     Kind.VALIDATION),  # a number in BYTES data
+    (None, json.dumps({"inputs": [{"name": "X", "shape": [1, 2], "datatype": "INT32", "data": [2, 2 ** 63]}]}),
+     Kind.VALIDATION),
+    (None, json.dumps({"inputs": [{"name": "X", "shape": [1, 2], "datatype": "INT32", "data": [2, 2 ** 31]}]}),
+     Kind.VALIDATION),  # Triton would wrap it
+    (None, json.dumps({"inputs": [{"name": "X", "shape": [1, 2], "datatype": "INT32", "data": [[2, -2 ** 31]]}]}),
+     None),
+    (None, json.dumps({"inputs": [{"name": "X", "shape": [1], "datatype": "UINT8", "data": [-1]}]}), Kind.VALIDATION),
+    (None, json.dumps({"inputs": [{"name": "X", "shape": [1], "datatype": "INT32", "data": [2, 5]}]}),
+     Kind.VALIDATION),  # more data than the shape
+    (None, json.dumps({"id": 5, "inputs": []}), Kind.VALIDATION),
+    (None, json.dumps({"inputs": [], "parameters": [1]}), Kind.VALIDATION),
+    (None, json.dumps({"inputs": [], "outputs": [{"name": "E", "parameters": {"binary_data": "yes"}}]}),
+     Kind.VALIDATION),
+    (None, json.dumps({"inputs": [], "parameters": {"prompt": "a\u0000b"}}), Kind.VALIDATION),  # Triton cuts at NUL
 ])
 def test_check_kserve(ihcl, body, want):
     assert kind_of(check_kserve, INFER, ihcl, body.encode()) == want
@@ -126,8 +147,14 @@ def test_admit_the_api_key():
         (INFER, headers(api_key="s3cret"), None),  # Triton's header, on KServe routes
         (INFER, headers(authorization="Bearer wrong"), Kind.UNAUTHORIZED),
         (INFER, headers(authorization="s3cret"), Kind.UNAUTHORIZED),
-        (INFER, headers(authorization="Bearer s3cret", api_key="wrong"), Kind.UNAUTHORIZED),  # each must be right
-        (INFER, headers(api_key="s3cret "), Kind.UNAUTHORIZED),
+        # the credential rule: one credential, given once, its surrounding whitespace not part of it
+        (INFER, headers(authorization="Bearer s3cret", api_key="wrong"), Kind.UNAUTHORIZED),
+        (INFER, headers(authorization="Bearer s3cret", api_key="s3cret"), Kind.UNAUTHORIZED),
+        (INFER, headers(api_key="s3cret, s3cret"), Kind.UNAUTHORIZED),  # aio_header's join of a repeated header
+        (INFER, headers(api_key="s3cret, wrong"), Kind.UNAUTHORIZED),
+        (INFER, headers(api_key=" \ts3cret \t"), None),
+        (INFER, headers(authorization="Bearer s3cret  "), None),
+        (INFER, headers(api_key="s3cr et"), Kind.UNAUTHORIZED),
         ("/v1/embeddings", headers(authorization="Bearer s3cret"), None),
         ("/v1/embeddings", headers(api_key="s3cret"), Kind.UNAUTHORIZED),  # OpenAI's and TEI's: Bearer only
         ("/embed", headers(api_key="s3cret"), Kind.UNAUTHORIZED),
@@ -235,3 +262,27 @@ def test_the_key_file(tmp_path):
         f.write_text(bad)
         with pytest.raises(SystemExit, match="printable ASCII"):
             read_key(str(f))
+
+
+def test_the_retry_rule():
+    """What counts as the server restarting (egemma.gateway.retry.restarting): tried again; anything else is the
+    answer."""
+    from tritonclient.utils import InferenceServerException as E
+
+    from egemma.gateway.retry import restarting
+    from egemma.gateway.upstream import UpstreamError
+    dead = ("in ensemble 'embeddinggemma', Failed to process the request(s) for model instance 'x', message: Stub "
+            "process 'x' is not healthy.")
+    for outcome in (ConnectionRefusedError(), UpstreamError("Triton closed the connection"), TimeoutError(),
+                    E(dead, status="StatusCode.INTERNAL"), E("Socket closed", status="StatusCode.UNAVAILABLE"),
+                    (b"HTTP/1.1 500 Internal Server Error\r\n\r\n" + dead.encode(), 500, {}, 38),
+                    (500, {}, dead.encode())):
+        assert restarting(outcome), outcome
+    for outcome in (E("This protocol is restricted, expecting header 'triton-grpc-protocol-api-key'",
+                      status="StatusCode.UNAVAILABLE"),
+                    E("in ensemble 'embeddinggemma', Request timeout expired", status="StatusCode.UNAVAILABLE"),
+                    E("dimensions must be an integer", status="StatusCode.INVALID_ARGUMENT"),
+                    E("engine failure: out of memory", status="StatusCode.INTERNAL"),
+                    (b"HTTP/1.1 400 Bad Request\r\n\r\n{}", 400, {}, 28), (500, {}, b'{"error":"other"}'),
+                    (200, {}, dead.encode())):
+        assert not restarting(outcome), outcome

@@ -58,8 +58,12 @@ def test_error_paths_are_per_request_inside_a_mixed_concurrent_batch(server, che
     c = grpcclient.InferenceServerClient(server.grpc_url)
     good = make_texts(12, 300, seed=8)
     bad = [({"prompt_name": "nope"}, "Retrieval-query"), ({"dimensions": 20}, "choose from"),
-           ({"truncate": False}, "over the 2048-token limit"), ({"encoding": "int4"}, "not one of"),
-           ({"colour": "blue"}, "unknown parameters"), ({"dimensions": "x"}, "integer")]
+           ({"truncate": False}, "over the 2048-token limit"), ({"encoding": "int4"}, "encoding must be one of"),
+           ({"colour": "blue"}, "unknown parameters"), ({"dimensions": "x"}, "integer"),
+           # no coercion, and no string cut at a NUL (over gRPC Triton cuts it before the model sees it: docs/limits.md)
+           ({"dimensions": "32"}, "dimensions must be an integer"), ({"dimensions": True}, "dimensions must be"),
+           ({"dimensions": 32.5}, "dimensions must be"), ({"dimensions": 2 ** 40}, "dimensions must be"),
+           ({"truncate": "false"}, "truncate must be true or false")]
     jobs = [("embeddinggemma", [text_input([t])], {}, None) for t in good]
     for params, needle in bad:  # interleaved with the good ones
         text = "kalo the " * 3000 if params.get("truncate") is False else "fine text"

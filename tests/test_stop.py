@@ -5,6 +5,7 @@ cleaned up at the next start) no shared-memory region with the server's prefix a
 (long: every stop path with its load drivers, in one place.)"""
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -16,9 +17,9 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from egemma.ops import shm
-from egemma.ops.procfs import gone, stub_pids
+from egemma.ops.procfs import children, gone, stub_pids
 from egemma.stub.instance import read_heartbeats
-from helpers import GOOD, Launcher, assert_close, reference, shm_prefix, text_input, wait_for
+from helpers import GOOD, ROOT, Launcher, assert_close, reference, shm_prefix, text_input, wait_for
 
 BAD_LINES = ("Exit timeout expired", "Non-graceful termination detected")
 
@@ -221,8 +222,9 @@ def test_sigterm_during_boot_stops_cleanly(launch):
 def test_kills_and_restarts_leave_nothing_and_a_dead_launcher_is_cleaned_up_at_the_next_start(launch, tmp_path,
                                                                                             good_ref):
     """SIGKILL of tritonserver, then of one stub: each time the watchdog restarts the server and nothing of the old
-    one stays. Then the launcher itself is killed with SIGKILL: its tritonserver runs on, orphaned, with its
-    regions; the next start in the same run directory ends it and removes them, and serves on the same ports."""
+    one stays. Then the launcher itself is killed with SIGKILL together with the server's guard (egemma.ops.shm;
+    as a kill of the whole process group would): its tritonserver dies with it (its parent-death signal), its
+    stubs and regions stay; the next start in the same run directory removes them, and serves on the same ports."""
     run = tmp_path / "shared-run"
     la = launch(run_dir=run)
     for what in ("tritonserver", "stub"):
@@ -234,8 +236,11 @@ def test_kills_and_restarts_leave_nothing_and_a_dead_launcher_is_cleaned_up_at_t
         assert_nothing_left(prefix, stubs + [pid])
     pid = la.server_pid()
     prefix, stubs = snapshot(pid)
-    la.proc.kill()  # its gateway follows it (PDEATHSIG); tritonserver, in a session of its own, runs on
+    guard = next(p for p, a in children(la.proc.pid).items() if "egemma.ops.shm" in a)
+    os.kill(guard, signal.SIGKILL)
+    la.proc.kill()  # its gateway follows it, and its tritonserver (PDEATHSIG)
     la.proc.wait()
+    wait_for(lambda: gone(pid), 10, "tritonserver to die with its launcher")
     assert shm.regions(prefix), "the orphan's regions are what the next start cleans"
     again = launch(run_dir=run, ports=la.ports)
     assert_nothing_left(prefix, stubs + [pid])
@@ -260,3 +265,33 @@ def test_a_killed_stub_leaves_nothing_after_a_stop_without_watchdog(start_server
     assert shm.regions(prefix)
     s.stop()
     assert_nothing_left(prefix, stubs + [s.proc.pid])
+
+
+@pytest.mark.parametrize("owner", ["a script", "the launcher"])
+def test_a_server_dies_with_its_owner_and_leaves_nothing(checkpoints, tmp_path, launch, owner):
+    """The process that started a server (a test session, a perf script under `timeout`, the launcher) is killed
+    with SIGKILL: the server, its stubs and its shared-memory regions are gone within seconds (the server's
+    parent-death signal, then its guard: egemma.ops.shm)."""
+    if owner == "the launcher":
+        la = launch()
+        parent, pid = la.proc, la.server_pid()
+    else:
+        code = ("import sys, threading; from pathlib import Path; from egemma.ops.tritonserver import TritonServer, "
+                "free_port\ns = TritonServer(Path(sys.argv[1]), http_port=free_port(), grpc_port=free_port(), "
+                "metrics_port=free_port(), run_dir=Path(sys.argv[2]), log_file=open(Path(sys.argv[2]) / 'log', 'w'))"
+                "\nprint(s.proc.pid, flush=True)\nthreading.Event().wait()")
+        (tmp_path / "run").mkdir()
+        parent = subprocess.Popen([sys.executable, "-c", code, str(checkpoints["eos"]), str(tmp_path / "run")],
+                                  stdout=subprocess.PIPE, text=True, cwd=ROOT)
+        line = parent.stdout.readline()
+        if not line.strip().isdigit():
+            parent.kill()
+            raise AssertionError((tmp_path / "run" / "log").read_text()[-3000:])
+        pid = int(line)
+    try:
+        prefix, stubs = snapshot(pid)
+    finally:
+        parent.kill()
+        parent.wait()
+    wait_for(lambda: gone(pid) and all(gone(p) for p in stubs) and not shm.regions(prefix), 10,
+             "the server, its stubs and its regions to be gone")

@@ -164,15 +164,16 @@ def test_router_errors_and_bad_bodies_in_tei_shape(gateway):
 
 def test_health_from_the_watchdog_verdict_and_triton_down(tmp_path):
     """A gateway whose Triton is not there (a restart in progress): /health answers the watchdog's verdict file,
-    and every route that needs Triton answers its protocol's 503 at once."""
+    and every route that needs Triton answers its protocol's 503 once the retry bound (--retry-seconds, here 1 s)
+    has passed."""
     from egemma.ops.front import Front
     from egemma.ops.tritonserver import free_port
     from egemma.gateway import health
     port, verdict = free_port(), tmp_path / "health.json"
     dead = f"127.0.0.1:{free_port()}"
     url = f"http://127.0.0.1:{port}"
-    front = Front([f"--port={port}", f"--triton-http={dead}", f"--triton-grpc={dead}", f"--health-file={verdict}"],
-                  url).start()
+    front = Front([f"--port={port}", f"--triton-http={dead}", f"--triton-grpc={dead}", f"--health-file={verdict}",
+                   "--retry-seconds=1"], url).start()
     try:
         r = requests.get(f"{url}/health", timeout=10)
         assert r.status_code == 503 and r.json() == {"error": "unhealthy: no watchdog verdict yet",

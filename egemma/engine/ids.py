@@ -27,7 +27,10 @@ def complete(ids: Sequence[int], cfg, truncate: bool) -> np.ndarray:
     first id is BOS, EOS appended unless the last is EOS (so ids with or without specials embed as their text does),
     over max_seq_length cut keeping EOS last, as text is. ValueError for an id outside the vocabulary, or with
     truncate=False an over-long sequence."""
-    a = np.asarray(ids, dtype=np.int64)
+    try:
+        a = np.asarray(ids, dtype=np.int64)
+    except OverflowError:  # an id past int64 (JSON numbers go to 2^64): outside the vocabulary all the same
+        raise ValueError(f"a token id outside the vocabulary [0, {cfg.vocab_size})") from None
     if a.size and (why := problem(a, cfg.vocab_size, a.size)):
         raise ValueError(why)
     head = [cfg.bos_id] if not a.size or a[0] != cfg.bos_id else []

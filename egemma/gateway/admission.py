@@ -2,7 +2,9 @@
 where the route needs one, the body limit, the body's encoding, and what Triton 2.51's own HTTP crashes on (or, for
 compressed bodies, inflates without bound; tests/test_front.py sends each to a bare Triton): JSON nested deeper than
 MAX_JSON_DEPTH, infer inputs whose shape asks for more elements than their JSON data can hold or has dims outside
-[0, 2^63), duplicate keys, an Inference-Header-Content-Length that is not a byte count within the body."""
+[0, 2^63), duplicate keys, an Inference-Header-Content-Length that is not a byte count within the body; and what it
+answers with a 500 or takes wrongly (egemma.gateway.kserve_types): a lone surrogate escape anywhere in the JSON, a
+field or a `data` element of the wrong JSON type, a string parameter holding NUL."""
 from __future__ import annotations
 
 import hmac
@@ -15,6 +17,7 @@ import numpy as np
 from aiohttp import web
 
 from egemma.gateway.errors import GatewayError, Kind
+from egemma.gateway.kserve_types import SURROGATE_ESCAPE, check_request, lone_surrogate
 
 MAX_JSON_DEPTH = 100  # what Triton adopted upstream (#8172); a KServe request needs ~10
 ENCODINGS = (b"identity", b"gzip", b"deflate")  # what aiohttp inflates as the body arrives
@@ -33,13 +36,12 @@ def needs_key(path: str) -> bool:
 
 
 def authorized(gw, header: Header, kserve: bool) -> bool:
-    """`Authorization: Bearer KEY`, or on KServe routes Triton's `api-key: KEY` too; every credential given must
-    be right. Constant-time compares."""
-    bearer, key = header(b"authorization"), header(b"api-key") if kserve else None
-    if bearer is None and key is None:
-        return False
-    return ((bearer is None or hmac.compare_digest(bearer, gw.bearer))
-            and (key is None or hmac.compare_digest(key, gw.api_key)))
+    """The credential rule: one credential, given once: `Authorization: Bearer KEY`, or on KServe routes Triton's
+    `api-key: KEY`, its surrounding spaces and tabs not part of it (HTTP's rule for a field value). Both headers,
+    or one given twice (aio_header joins repeats), are refused whatever they hold. Constant-time compare."""
+    given = [(v, want) for v, want in ((header(b"authorization"), gw.bearer),
+                                       (header(b"api-key") if kserve else None, gw.api_key)) if v is not None]
+    return len(given) == 1 and hmac.compare_digest(given[0][0].strip(b" \t"), given[0][1])
 
 
 def limit(gw, n: int, size: str):
@@ -74,10 +76,11 @@ def admit(gw, path: str, header: Header, body: bytes | None = None) -> None:
 
 
 def aio_header(request: web.Request) -> Header:
-    """admit's view of an aiohttp request's headers."""
+    """admit's view of an aiohttp request's headers: a header given more than once as its values joined (the fast
+    lane hands such a request to aiohttp)."""
     def get(name: bytes) -> bytes | None:
-        v = request.headers.get(name.decode())
-        return None if v is None else v.encode("utf-8", "surrogateescape")
+        v = request.headers.getall(name.decode(), None)
+        return None if v is None else ", ".join(v).encode("utf-8", "surrogateescape")  # repeats as HTTP joins them
     return get
 
 
@@ -157,9 +160,15 @@ def check_kserve(path: str, n: bytes | None, body: bytes) -> None:
         head = body
     if json_depth(head) > MAX_JSON_DEPTH:
         raise GatewayError(Kind.MALFORMED, f"request JSON is nested deeper than {MAX_JSON_DEPTH} levels")
-    if path.endswith("/infer"):
+    escapes = SURROGATE_ESCAPE.search(head) is not None
+    if path.endswith("/infer") or escapes:
         try:
             req = _DECODER.decode(head.decode("utf-8", "surrogateescape"))
         except (ValueError, RecursionError) as e:
             raise GatewayError(Kind.MALFORMED, f"request JSON is not valid: {e}") from None
-        check_inputs(req, len(head))
+        if escapes and lone_surrogate(req):
+            raise GatewayError(Kind.MALFORMED, "request JSON holds a lone surrogate escape (e.g. \\ud800 without its "
+                                               "pair), which is no Unicode text")
+        if path.endswith("/infer"):
+            check_request(req)
+            check_inputs(req, len(head))

@@ -5,6 +5,7 @@ installed."""
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import os
 import signal
 import socket
@@ -92,10 +93,14 @@ def listen(host: str, port: int) -> socket.socket:
     return s
 
 
-def exit_with_parent(parent: int):
-    """SIGTERM to this process when its parent dies (Linux prctl PR_SET_PDEATHSIG)."""
-    import ctypes
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+_LIBC = ctypes.CDLL(None, use_errno=True)  # resolved before any fork: exit_with_parent also runs as a preexec_fn
+
+
+def exit_with_parent(parent: int, sig: int = signal.SIGTERM):
+    """sig to this process when its parent dies (Linux prctl PR_SET_PDEATHSIG). Also a Popen preexec_fn (the
+    tritonserver's); then the signal comes when the thread that started the process ends: start it from a thread
+    that outlives it."""
+    _LIBC.prctl(1, sig)  # 1: PR_SET_PDEATHSIG
     if os.getppid() != parent:  # it died before the call
         raise SystemExit(f"parent {parent} is gone")
 

@@ -6,7 +6,7 @@ take the fast lane (egemma.gateway.fastlane); the rest, and every route below, a
   python -m egemma.gateway.app --port 8000 [--port 8080 ...] --triton-http 127.0.0.1:P --triton-grpc 127.0.0.1:Q
       [--host 127.0.0.1] [--max-request-bytes 3145728] [--workers 1] [--model-name google/embeddinggemma-300m]
       [--alias NAME ...] [--health-file PATH] [--triton-metrics 127.0.0.1:R] [--max-connections 1024]
-      [--idle-timeout 60] [--body-timeout 60] [--api-key-file PATH]
+      [--idle-timeout 60] [--body-timeout 60] [--api-key-file PATH] [--retry-seconds 30]
 
 Triton 2.51's HTTP server dies on some single requests (tests/test_front.py keeps each one, against bare Triton);
 what reaches it from here cannot be one of them:
@@ -30,10 +30,12 @@ stop) starts the drain: readiness and new KServe requests answer 503 from then o
 are answered), and the connections to Triton's HTTP close as soon as each is idle (Triton 2.51, stopping, waits
 for every open HTTP connection until its exit timeout).
 
+
 With --api-key-file, inference routes answer only to its key (egemma.gateway.admission.needs_key), which the
 gateway passes on where it calls Triton itself (its HTTP proxy, its gRPC client; Triton checks it too).
 Every route answers errors in its protocol's shape (egemma.gateway.errors), through one middleware that also
-admits each request (egemma.gateway.admission: the API key, the body limit) before its handler runs; route
+admits each request (egemma.gateway.admission: the API key, the body limit) before its handler runs (and tries
+again one that a server restart failed, for up to --retry-seconds: egemma.gateway.retry); route
 handlers raise GatewayError. Route modules read the app's state as request.app[GW], a Gateway
 (egemma.gateway.common); its gRPC client and the HTTP pool to Triton are made when the app starts and closed at
 cleanup."""
@@ -51,7 +53,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from egemma.gateway import calls, metrics, openai_api, tei_api
+from egemma.gateway import calls, metrics, openai_api, retry, tei_api
 from egemma.gateway.admission import admit, aio_header, read_body
 from egemma.gateway.aioserver import event_loop_runner, exit_with_parent, listen, serve
 from egemma.gateway.common import DEFAULT_MAX_BODY, GW, Gateway, error_response, readiness, verdict
@@ -81,7 +83,8 @@ async def proxy(request: web.Request) -> web.Response:
         if body:  # a GET body too: never trust Triton to ignore it
             admit(gw, request.path, aio_header(request), body)
     try:
-        status, h, data = await gw.upstream.request(request.method, request.rel_url.raw_path_qs, headers, body)
+        status, h, data = await retry.call(gw, lambda: gw.upstream.request(request.method, request.rel_url.raw_path_qs,
+                                                                           headers, body))
     except (OSError, asyncio.TimeoutError) as e:
         raise from_exception(e) from None
     return web.Response(status=status, body=data,
@@ -154,7 +157,7 @@ def _drop_if_unread(request: web.Request):
 async def _clients(app: web.Application):
     import tritonclient.grpc.aio as grpcaio
     gw = app[GW]
-    gw.grpc = grpcaio.InferenceServerClient(gw.triton_grpc)
+    gw.grpc = grpcaio.InferenceServerClient(gw.triton_grpc, channel_args=retry.CHANNEL_ARGS)
     gw.upstream = Upstream(gw.triton_http)
     if gw.draining:
         gw.upstream.drain()
@@ -206,6 +209,7 @@ def parser() -> argparse.ArgumentParser:  # the launcher passes these; docs/conf
     ap.add_argument("--body-timeout", type=float, default=60.0, help="seconds for a request's whole body")
     ap.add_argument("--api-key-file", help="a file holding the API key that inference routes require "
                                            "(Authorization: Bearer KEY; KServe also api-key: KEY)")
+    ap.add_argument("--retry-seconds", type=float, default=30.0, help="how long a request is retried in a restart")
     metrics.add_flags(ap)
     ap.add_argument("--exit-with-parent", type=int, metavar="PID",
                     help="exit when process PID (the launcher, our parent) dies, even by SIGKILL")
@@ -221,7 +225,7 @@ def main(argv=None):
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     max_connections = min(a.max_connections, max(16, (hard - 64) // 2))  # each also holds one to Triton
     socks = [listen(a.host, p) for p in a.port]  # bound once, shared by the workers (one accept queue)
-    gw = Gateway(triton_http=a.triton_http, triton_grpc=a.triton_grpc, model_name=a.model_name,
+    gw = Gateway(triton_http=a.triton_http, triton_grpc=a.triton_grpc, model_name=a.model_name, retry_s=a.retry_seconds,
                  aliases=tuple(a.alias), max_body=a.max_request_bytes, health_file=a.health_file,
                  triton_metrics=a.triton_metrics, body_timeout=a.body_timeout, api_key=read_key(a.api_key_file))
     run, loop = event_loop_runner()

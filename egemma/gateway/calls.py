@@ -12,6 +12,7 @@ from aiohttp import web
 from tritonclient.utils import InferenceServerException
 
 from egemma.engine.ids import complete
+from egemma.gateway import retry
 from egemma.gateway.common import GW
 from egemma.gateway.errors import GatewayError, Kind
 from egemma.stub.adapter import triton_params
@@ -30,9 +31,13 @@ _KINDS = {"StatusCode.INVALID_ARGUMENT": Kind.VALIDATION, "StatusCode.UNAVAILABL
 
 async def _infer(gw, model: str, inputs, outputs, params: dict):
     try:
-        return await gw.grpc.infer(model, inputs, outputs=outputs, parameters=params or None, headers=(
-            gw.grpc_headers if gw.tracing is None else gw.tracing.headers(gw.grpc_headers)))
+        headers = gw.grpc_headers if gw.tracing is None else gw.tracing.headers(gw.grpc_headers)
+        return await retry.call(gw, lambda: gw.grpc.infer(model, inputs, outputs=outputs, parameters=params or None,
+                                                          headers=headers))
     except InferenceServerException as e:
+        if "Request timeout expired" in (e.message() or ""):  # the models' queue time limit (their configs)
+            raise GatewayError(Kind.OVERLOADED, f"{e.message()}: the request waited in a model's queue past the "
+                                                "server's time limit (docs/limits.md); retry later") from None
         raise GatewayError(_KINDS.get(str(e.status()), Kind.BACKEND), e.message()) from None
 
 
@@ -134,8 +139,8 @@ def init(app: web.Application):
 
 
 async def facts(app: web.Application) -> Facts:
-    """Read once per process, from the model configs as Triton loaded them (their checkpoint and tokenizer
-    file parameters are the paths the models use) and the checkpoint's own JSON files; retried on the next
+    """Read once per process, from the model configs as Triton loaded them, the paths the models use (from the
+    environment, as theirs: egemma.stub.adapter.PATH_ENV) and the checkpoint's own JSON files; retried on the next
     request when Triton is not up yet."""
     st = app[_FACTS]
     if "facts" in st:

@@ -11,6 +11,7 @@ from aiohttp import web
 from egemma.gateway import health
 from egemma.gateway.admission import read_body
 from egemma.gateway.errors import GatewayError, Kind, Protocol, headers, render
+from egemma.stub.options import OptionError, check
 
 DEFAULT_MAX_BODY = 3 << 20  # under the 4 MiB at which Triton 2.51's HTTP crashes on the GPU host
 HEALTH_MAX_AGE = 15.0  # s: the watchdog writes a verdict every ~2-7 s; an older one vouches for nothing
@@ -29,6 +30,7 @@ class Gateway:
     triton_metrics: str | None = None  # host:port of Triton's metrics, for TEI's GET /metrics
     body_timeout: float = 60.0  # s for a request's whole body to arrive
     api_key: bytes | None = None  # what inference routes require (egemma.gateway.admission), and Triton too
+    retry_s: float = 30.0  # how long a request is tried again while the server restarts (egemma.gateway.retry)
     upstream: object = field(default=None, init=False)  # egemma.gateway.upstream.Upstream to triton_http
     draining: bool = field(default=False, init=False)  # SIGUSR1: the server is stopping
     tracing: object = field(default=None, init=False)  # egemma.gateway.tracing.Tracing of this worker, or None: off
@@ -90,19 +92,26 @@ def readiness(gw: Gateway) -> tuple[bool, str]:
     return (False, "draining: the server is stopping") if gw.draining else verdict(gw)
 
 
-_OPTION_TYPES = {"prompt_name": (str, "a string"), "prompt": (str, "a string"), "truncate": (bool, "true or false"),
-                 "dimensions": (int, "an integer")}
-
-
 def options(body: dict, keys) -> dict:
-    """The request options among keys that body gives (null: not given), each of its type, for Triton's request
-    parameters; GatewayError(VALIDATION) naming the field otherwise."""
+    """The request options among keys that body gives (null: not given), for Triton's request parameters, each by
+    the options' one rule (egemma.stub.options.check); GatewayError(VALIDATION) naming the field otherwise."""
     out = {}
     for k in keys:
         if (v := body.get(k)) is None:
             continue
-        t, what = _OPTION_TYPES[k]
-        if type(v) is not t:
-            raise GatewayError(Kind.VALIDATION, f"{k} must be {what}, got {orjson.dumps(v).decode()[:100]}", k)
-        out[k] = v
+        try:
+            out[k] = check(k, v)
+        except OptionError as e:
+            raise GatewayError(Kind.VALIDATION, str(e), k) from None
     return out
+
+
+def choice(body: dict, key: str, allowed: tuple[str, ...], default: str) -> str:
+    """An enum field: absent or null is the default, else one of allowed as a string (never "" or [] for the
+    default); GatewayError(VALIDATION) naming the field."""
+    if (v := body.get(key)) is None:
+        return default
+    if not isinstance(v, str) or v not in allowed:
+        raise GatewayError(Kind.VALIDATION, f"{key} must be one of {', '.join(map(repr, allowed))}, got "
+                                            f"{orjson.dumps(v, default=repr).decode()[:100]}", key)
+    return v

@@ -16,7 +16,7 @@ import re
 import socket
 import time
 
-from egemma.gateway import metrics
+from egemma.gateway import metrics, retry
 from egemma.gateway.admission import admit
 from egemma.gateway.errors import STATUS, GatewayError, Protocol, from_exception, raw
 
@@ -25,6 +25,7 @@ _REQUEST_LINE = re.compile(rb"(GET|POST) (/v2(?:[/?][!-$&-~]{0,8000})?) HTTP/1\.
 _HEADERS = re.compile(rb"(?:[!#$%&'*+.^_`|~0-9A-Za-z-]+:[\t\x20-\x7e\x80-\xff]*\r\n){0,128}")
 _FIELD = re.compile(rb"([^:]+): *(.*?)[\t ]*\r\n")  # on a head _HEADERS has matched; Triton skips no tabs
 _CONNECTION = re.compile(rb"\r\nconnection:[^\r]*", re.I)
+_API_KEY = re.compile(rb"\r\napi-key:[^\r]*", re.I)
 _HAND_OVER = {b"transfer-encoding", b"content-encoding", b"expect", b"upgrade"}  # framing aiohttp knows
 _SLOW_PATHS = ("/v2/health/live", "/v2/health/ready")  # the watchdog's verdict: aiohttp's routes
 _PIPELINED = 64 << 10  # bytes of requests read ahead while one is at Triton; past it, reading pauses
@@ -202,9 +203,10 @@ class _Lane(asyncio.Protocol):
         if (tr := self.lanes.gw.tracing) is not None:
             self.span, request, start = tr.kserve(request[:4].strip().decode(), metrics.route_of(path), request,
                                                   start, headers)
-        if b"api-key" not in headers and self.lanes.gw.api_key is not None:  # admitted on Bearer: Triton's header
-            request = request[:start - 2] + b"api-key: " + self.lanes.gw.api_key + b"\r\n" + request[start - 2:]
-        self.lanes.gw.upstream.send_raw(request, self._answered)
+        if self.lanes.gw.api_key is not None:  # admitted: the key as Triton's check wants it, whatever form it came in
+            head = _API_KEY.sub(b"", request[:start - 4]) if b"api-key" in headers else request[:start - 4]
+            request = head + b"\r\napi-key: " + self.lanes.gw.api_key + b"\r\n\r\n" + request[start:]
+        retry.raw(self.lanes.gw, request, self._answered)
 
     def _hand_over(self) -> bool:
         """This connection to aiohttp's handler from here on, with what it has sent; False."""

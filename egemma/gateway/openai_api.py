@@ -21,7 +21,7 @@ import numpy as np
 from aiohttp import web
 
 from egemma.gateway import calls
-from egemma.gateway.common import GW, json_response, options, read_json
+from egemma.gateway.common import GW, choice, json_response, options, read_json
 from egemma.gateway.errors import GatewayError, Kind
 
 FIELDS = {"input", "model", "dimensions", "encoding_format", "user", "prompt_name", "prompt", "truncate"}
@@ -78,10 +78,7 @@ async def embeddings(request: web.Request) -> web.Response:
         raise GatewayError(Kind.VALIDATION, f"Unrecognized request argument supplied: {', '.join(unknown)}",
                            unknown[0])
     check_model(gw, body.get("model"))
-    fmt = body.get("encoding_format") or "float"
-    if fmt not in ("float", "base64"):
-        raise GatewayError(Kind.VALIDATION, f"encoding_format must be 'float' or 'base64', got {fmt!r}",
-                           "encoding_format")
+    fmt = choice(body, "encoding_format", ("float", "base64"), "float")
     if body.get("user") is not None and not isinstance(body["user"], str):
         raise GatewayError(Kind.VALIDATION, f"user must be a string, got {body['user']!r}", "user")
     params = options(body, ("dimensions", "prompt_name", "prompt", "truncate"))

@@ -24,7 +24,7 @@ from aiohttp import web
 
 from egemma.gateway import calls
 from egemma.gateway import metrics as gateway_metrics
-from egemma.gateway.common import GW, json_response, options, read_json, readiness
+from egemma.gateway.common import GW, choice, json_response, options, read_json, readiness
 from egemma.gateway.errors import GatewayError, Kind
 from egemma.gateway.upstream import Upstream
 
@@ -63,11 +63,7 @@ def _flag(body: dict, key: str, default):
 
 
 def _left(body: dict) -> bool:
-    d = body.get("truncation_direction") or "right"
-    if d not in ("left", "Left", "right", "Right"):
-        raise GatewayError(Kind.VALIDATION, f"truncation_direction must be Left or Right, got {d!r}",
-                           "truncation_direction")
-    return d.lower() == "left"
+    return choice(body, "truncation_direction", ("Left", "Right", "left", "right"), "Right").lower() == "left"
 
 
 async def embed(request: web.Request) -> web.Response:

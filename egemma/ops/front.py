@@ -18,8 +18,9 @@ class Front:
     """`python -m egemma.gateway.app *args`, answering HTTP on url once start() returns."""
 
     def __init__(self, args: list[str], url: str, log=lambda msg: print(f"gateway: {msg}", file=sys.stderr,
-                                                                       flush=True)):
-        self.args, self.url, self.log = args, url, log
+                                                                       flush=True), env: dict[str, str] | None = None):
+        """env: variables the gateway gets beside this process's (the model's paths: TritonServer.path_env)."""
+        self.args, self.url, self.log, self.env = args, url, log, env or {}
         self.proc: subprocess.Popen | None = None
         self._next_try = 0.0
 
@@ -31,7 +32,8 @@ class Front:
         """The process started; it answers HTTP a moment later (it needs Triton only for requests: the launcher
         starts it while Triton boots)."""
         self.proc = subprocess.Popen([sys.executable, "-m", "egemma.gateway.app", *self.args,
-                                      f"--exit-with-parent={os.getpid()}"], start_new_session=True)
+                                      f"--exit-with-parent={os.getpid()}"], start_new_session=True,
+                                     env={**os.environ, **self.env})
         return self
 
     def wait(self, timeout: float = 60.0, cancel=None) -> "Front":

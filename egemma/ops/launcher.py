@@ -43,10 +43,11 @@ from egemma.engine.cpus import usable_cores
 from egemma.ops import cachedir
 from egemma.ops.host import parse_gpus, visible_gpus
 from egemma.ops.procfs import Cancelled, connections_to
-from egemma.ops.repository import ROOT, resolve_checkpoint
+from egemma.ops.repository import ROOT, path_env, resolve_checkpoint
 from egemma.ops.front import Front
 from egemma.ops.tritonserver import ADMIN_APIS, ADMIN_HEADER, API_HEADER, HEARTBEATS, TritonServer, free_port, gpu_host
 from egemma.gateway import tracing
+from egemma.stub import budget
 from egemma.gateway.app import DEFAULT_MAX_BODY, read_key
 
 
@@ -78,6 +79,9 @@ def parser() -> argparse.ArgumentParser:
                                                  "none on a CPU host) or device ids such as 0,1")
     g.add_argument("--response-cache-mb", type=int, default=0, metavar="MB",
                    help="Triton's response cache for the encoder, that many MiB (default 0: off; docs/api.md)")
+    g.add_argument("--max-request-tokens", type=int, default=budget.DEFAULT, metavar="N",
+                   help=f"tokens one request may have embedded, all its inputs together; over it a request is "
+                        f"refused at once (default {budget.DEFAULT}; docs/limits.md)")
     g.add_argument("--cache-dir", type=Path, default=cache_dir(), metavar="DIR",
                    help="what a later start reuses: Triton-lang's kernels, the tuning file, the fused weights "
                         "(default: $EGEMMA_CACHE_DIR, else ~/.cache/egemma); unwritable: served without caching")
@@ -145,7 +149,7 @@ def main(argv=None):
               "embeddings mean nothing", file=sys.stderr, flush=True)
     if not gpu_host():  # Triton gets CPU_ARGS (egemma.ops.tritonserver): no CUDA, NVML or DCGM probes
         print("no GPU: serving on CPU", flush=True)
-    params = dict(p.split("=", 1) for p in a.param)
+    params = {budget.PARAMETER: str(a.max_request_tokens), **dict(p.split("=", 1) for p in a.param)}
     instances = {m: int(n) for m, n in (p.split("=", 1) for p in a.instances)}
     key = a.admin_key or secrets.token_urlsafe(16)
     api_key_file = _api_key_file(a)
@@ -172,7 +176,8 @@ def main(argv=None):
                    f"--max-request-bytes={a.max_request_bytes}", f"--workers={a.gateway_workers}",
                    f"--model-name={a.served_model_name}", *(f"--alias={n}" for n in a.alias),
                    *([f"--health-file={health_file}"] if a.watchdog else []),
-                   *([f"--api-key-file={api_key_file}"] if api_key_file else [])], f"http://{h}:{a.http_port}")
+                   *([f"--api-key-file={api_key_file}"] if api_key_file else [])], f"http://{h}:{a.http_port}",
+                  env=path_env(ckpt, a.run_dir))
     print(f"starting tritonserver for {ckpt} (cache {a.cache_dir}) ...", flush=True)
     front.launch()  # its start (imports, workers) overlaps Triton's boot; it answers 503 until Triton is ready
     supervisor = None

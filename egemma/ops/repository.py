@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from egemma.engine.config import DEMO_MARKER
+from egemma.stub.adapter import PATH_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
 REPO = ROOT / "model_repository"
@@ -104,6 +105,14 @@ def demo_checkpoint() -> Path:
 def instance_group(count: int, kind: str, gpus: list[int] | None = None) -> str:
     placed = f" gpus: [ {', '.join(map(str, gpus))} ]" if gpus else ""
     return f"instance_group [ {{ count: {count} kind: {kind}{placed} }} ]"
+
+
+def path_env(checkpoint: Path, run_dir: Path) -> dict[str, str]:
+    """The paths the models (and the gateway) read, as environment variables (egemma.stub.adapter.PATH_ENV): the
+    checkpoint and the tokenizer file the server writes into run_dir. Kept out of the rendered configs, which
+    Triton serves to any client."""
+    return {PATH_ENV["checkpoint"]: str(checkpoint),
+            PATH_ENV["tokenizer_json"]: str(Path(run_dir) / "tokenizer.json")}
 
 
 CACHED = "embeddinggemma_encoder"  # the model whose answers Triton's response cache keeps (--response-cache-mb)

@@ -6,12 +6,18 @@ memory-backed volume that outlives restarts. So every server gets a prefix of it
 (`--backend-config python,shm-region-prefix-name=PREFIX`), and once its process group is gone the regions with
 that prefix are removed: never another server's. A record in the run directory (RECORD: the server's and its
 owner's identities, the prefix) lets the next start in that directory clean up after an owner killed with
-SIGKILL: a server left running without its owner is ended, and its regions removed once it is gone."""
+SIGKILL: a server left running without its owner is ended, and its regions removed once it is gone. And a guard
+process beside each server (guard) does the same as soon as the server exits without its owner's stop (the server
+gets SIGKILL when its owner dies: egemma.ops.tritonserver)."""
 from __future__ import annotations
 
 import json
 import os
 import secrets
+import select
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 from egemma.ops.procfs import alive, identity, kill_group
@@ -49,6 +55,35 @@ def remove(prefix: str) -> int:
     return n
 
 
+def guard(server_pid: int, prefix: str) -> subprocess.Popen:
+    """A process beside the server (`python -m egemma.ops.shm PID PREFIX`) that, once the server exits for any
+    reason (a stop, a kill, the parent-death signal when its owner died without stopping it), ends what is left
+    of its process group (its stubs) and removes its regions, then exits. The owner reaps it after its own stop."""
+    return subprocess.Popen([sys.executable, "-m", "egemma.ops.shm", str(server_pid), prefix], stdin=subprocess.DEVNULL)
+
+
+def reap_guard(guard: subprocess.Popen, timeout: float):
+    """Wait for a guard whose server is gone (it finds nothing left to do), SIGKILL it after timeout."""
+    try:
+        guard.wait(timeout)
+    except subprocess.TimeoutExpired:
+        guard.kill()
+        guard.wait()
+
+
+def _guard_main(server_pid: int, prefix: str):
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # a Ctrl-C or a stop of the owner's group: clean up
+        signal.signal(sig, signal.SIG_IGN)                       # all the same, once the server is gone
+    try:
+        fd = os.pidfd_open(server_pid)
+    except ProcessLookupError:
+        pass
+    else:
+        select.select([fd], [], [])  # readable once the server has exited
+    if not kill_group(server_pid, 30.0):  # the group's id is the server's pid (its own session)
+        remove(prefix)
+
+
 def record(run_dir: Path, server_pid: int, prefix: str):
     """Note in run_dir which server this process started, with which prefix (reap reads it)."""
     tmp = run_dir / f".{RECORD}.{os.getpid()}"
@@ -82,3 +117,7 @@ def reap(run_dir: Path, log=print) -> str | None:
     if done:
         log(f"egemma: {'; '.join(done)} (owner gone)")
     return "; ".join(done) or None
+
+
+if __name__ == "__main__":
+    _guard_main(int(sys.argv[1]), sys.argv[2])

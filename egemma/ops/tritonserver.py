@@ -3,6 +3,7 @@ starting it on a rendered repository with the stub's Python environment first on
 and nothing of it left behind (no process of its group, no shared-memory region: egemma.ops.shm)."""
 from __future__ import annotations
 
+import functools
 import os
 import secrets
 import shutil
@@ -21,9 +22,10 @@ from egemma.engine.cpus import usable_cores
 from egemma.engine.cache import ENV
 from egemma.engine.tokenizer import cached_tokenizer_json, resolve_ahead
 from egemma.ops.host import tokenizer_instances
+from egemma.gateway.aioserver import exit_with_parent
 from egemma.ops import shm
 from egemma.ops.procfs import end_group, wait_exit, wait_up
-from egemma.ops.repository import REPO, render_repository
+from egemma.ops.repository import REPO, path_env, render_repository
 from egemma.stub.instance import HEARTBEAT_DIR
 
 # Admin-only APIs: with them a client could read the repository layout, map shared memory, or redirect traces
@@ -134,13 +136,14 @@ class TritonServer:
             tokenizer_json.write_text(text)
         else:
             resolve_ahead(checkpoint)
-        params = {"tokenizer_json": str(tokenizer_json), **(params or {})}
+        self.path_env = path_env(checkpoint, self.run_dir)
+        params = {"checkpoint": "", **(params or {})}  # paths go in the environment, not the served configs
         if repository == REPO:
             defaults = CPU_INSTANCES if not gpu_host() else {
                 "embeddinggemma_tokenizer": tokenizer_instances(usable_cores(), len(gpus or [0]))}
             instances = {**defaults, **(instances or {})}
         self.repo = render_repository(self.run_dir / "model_repository", checkpoint, params, repository,
-                                      optional=("tokenizer_json",), instances=instances, gpus=gpus,
+                                      instances=instances, gpus=gpus,
                                       response_cache=response_cache_mb > 0)
         # Every model instance stamps its executes here (egemma.stub.instance); the watchdog reads them.
         self.heartbeat_dir = self.run_dir / HEARTBEATS
@@ -163,7 +166,7 @@ class TritonServer:
                     *(() if gpu_host() else CPU_ARGS),
                     *(self._cache_args(response_cache_mb, Path(backends).parent) if response_cache_mb > 0 else []),
                     *extra_args]
-        env = {**os.environ, HEARTBEAT_DIR: str(self.heartbeat_dir)}
+        env = {**os.environ, **self.path_env, HEARTBEAT_DIR: str(self.heartbeat_dir)}
         # The stub runs the Python whose bin is first on PATH: this one, or $TRITON_STUB_PATH (a numpy<2 venv).
         stub_bin = stub_bin or os.environ.get("TRITON_STUB_PATH") or str(Path(sys.executable).parent)
         env["PATH"] = f"{stub_bin}{os.pathsep}{env.get('PATH', '')}"
@@ -174,8 +177,12 @@ class TritonServer:
             env["LD_LIBRARY_PATH"] = f"{libdir}{os.pathsep}{env.get('LD_LIBRARY_PATH', '')}".rstrip(os.pathsep)
         self.log_file = log_file
         self.drained = threading.Event()  # Triton logged DRAINED: every request is answered
+        # No orphans: the server gets SIGKILL when its owner dies without stopping it (a test session killed, a
+        # script under `timeout`), and a guard then ends its stubs and removes its shared memory (egemma.ops.shm)
         self.proc = subprocess.Popen(self.cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+                                     start_new_session=True,
+                                     preexec_fn=functools.partial(exit_with_parent, os.getpid(), signal.SIGKILL))
+        self.guard = shm.guard(self.proc.pid, self.shm_prefix)
         threading.Thread(target=self._pump, name="tritonserver-log", daemon=True).start()
         shm.record(self.run_dir, self.proc.pid, self.shm_prefix)
         try:
@@ -250,6 +257,7 @@ class TritonServer:
                   f"{timeout:g}s; its shared memory stays", file=sys.stderr, flush=True)
             return
         shm.remove(self.shm_prefix)
+        shm.reap_guard(self.guard, timeout)
 
     def __enter__(self):
         return self

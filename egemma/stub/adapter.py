@@ -32,13 +32,22 @@ def boot_phases(engine):
     boot.phase("capture", end=end)
 
 
+# Path parameters and the environment variable each is read from where the config leaves it empty: the launcher
+# passes paths this way, never in config.pbtxt, whose text Triton serves to anyone (/v2/models/X/config, gRPC's
+# ModelConfig). The gateway reads the same variables (egemma.gateway.calls.facts).
+PATH_ENV = {"checkpoint": "EMBEDDINGGEMMA_PATH", "tokenizer_json": "EGEMMA_TOKENIZER_JSON"}
+
+
 def triton_params(model_config: str | dict) -> tuple[str, dict[str, str]]:
     """(checkpoint, other non-empty string parameters) of a Triton model config (its JSON, as a model's
-    initialize gets it, or parsed, as the gRPC API returns it). An empty checkpoint parameter falls back to
-    $EMBEDDINGGEMMA_PATH, read once here at load."""
+    initialize gets it, or parsed, as the gRPC API returns it). A path parameter the config declares empty is
+    taken from its PATH_ENV variable."""
     cfg = json.loads(model_config) if isinstance(model_config, str) else model_config
     params = {k: v.get("string_value", "") for k, v in cfg.get("parameters", {}).items()}
-    ckpt = params.pop("checkpoint", "") or os.environ.get("EMBEDDINGGEMMA_PATH", "")
+    for k, env in PATH_ENV.items():
+        if (k == "checkpoint" or k in params) and not params.get(k):
+            params[k] = os.environ.get(env, "")
+    ckpt = params.pop("checkpoint")
     if not ckpt:
         raise CheckpointError(f"model {cfg.get('name')}: no checkpoint: set the 'checkpoint' parameter in its "
                               "config.pbtxt or EMBEDDINGGEMMA_PATH (scripts/serve.sh does this for you)")

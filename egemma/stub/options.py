@@ -17,6 +17,25 @@ class OptionError(ValueError):
     pass
 
 
+INT32 = 1 << 31
+# Each option's JSON type. No coercion: "48", 48.7 and true are not the integer 48, and "false" is not false.
+TYPES = {"prompt_name": (str, "a string without NUL"), "prompt": (str, "a string without NUL"),
+         "dimensions": (int, f"an integer in [1, {INT32 - 1}]"), "truncate": (bool, "true or false"),
+         "encoding": (str, f"one of {', '.join(OUTPUTS)}")}
+
+
+def check(name: str, value):
+    """The one rule for an option's value, on every protocol (the gateway's OpenAI and TEI fields too): of its type,
+    no NUL in a string (Triton's C API ends a string parameter there: "query\\0x" would be taken as "query"), an
+    integer within int32 (the OPTIONS tensor's type; dimensions are then checked against the model's list), an
+    encoding of OUTPUTS. The value, or OptionError naming the option."""
+    t, what = TYPES[name]
+    if type(value) is not t or (t is str and "\0" in value) or (t is int and not 0 < value < INT32) or (
+            name == "encoding" and value not in OUTPUTS):
+        raise OptionError(f"{name} must be {what}, got {json.dumps(value, default=repr)[:100]}")
+    return value
+
+
 @dataclass(frozen=True)
 class RequestOptions:
     prompt_name: str | None = None  # a name from config_sentence_transformers.json
@@ -33,23 +52,8 @@ class RequestOptions:
         unknown = sorted(set(p) - set(cls.__dataclass_fields__))
         if unknown:
             raise OptionError(f"unknown parameters {unknown}; known: {sorted(cls.__dataclass_fields__)}")
-        for k in ("prompt_name", "prompt"):
-            if k in p and not isinstance(p[k], str):
-                raise OptionError(f"{k} must be a string")
-        if "dimensions" in p:
-            try:
-                p["dimensions"] = int(p["dimensions"])
-            except (TypeError, ValueError):
-                raise OptionError(f"dimensions must be an integer, got {p['dimensions']!r}") from None
-        if "truncate" in p:
-            t = p["truncate"]
-            if isinstance(t, str) and t.lower() in ("true", "false"):
-                t = t.lower() == "true"
-            if not isinstance(t, bool):
-                raise OptionError(f"truncate must be true or false, got {p['truncate']!r}")
-            p["truncate"] = t
-        if p.get("encoding", "float") not in OUTPUTS:
-            raise OptionError(f"encoding {p['encoding']!r} is not one of {sorted(OUTPUTS)}")
+        for k, v in p.items():
+            check(k, v)
         return cls(**p)
 
 

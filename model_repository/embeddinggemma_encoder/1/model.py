@@ -11,6 +11,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from egemma.engine import Engine, EngineConfig, boot
+from egemma.stub import budget
 from egemma.stub.instance import Heartbeat, instance_device
 from egemma.stub.metrics import STUB_FAMILIES, Counters, instance_stats
 from egemma.stub.options import (OptionError, RequestOptions, allowed_dimensions, check_dimensions, from_tensor,
@@ -24,6 +25,7 @@ class TritonPythonModel:
         boot.begin(args["model_instance_name"])
         checkpoint, params = triton_params(args["model_config"])
         dims_spec = params.pop("matryoshka_dims", "")
+        self.max_request_tokens = budget.limit(params.pop(budget.PARAMETER, ""))
         params["device"] = instance_device(args, params.get("device", "auto"))
         self.engine = Engine(EngineConfig.from_params(checkpoint, params))
         boot_phases(self.engine)
@@ -67,6 +69,7 @@ class TritonPythonModel:
             raise OptionError(f"SEQ_LEN has {len(lens)} rows, INPUT_IDS {rows}")
         if lens and not (1 <= min(lens) and max(lens) <= width):
             raise OptionError(f"SEQ_LEN values must lie in [1, {width}], got {lens}")
+        budget.check(sum(lens), self.max_request_tokens)
         return opts, [ids[j, :n] for j, n in enumerate(lens)]
 
     def _id_errors(self, parsed) -> dict[int, str]:

@@ -11,6 +11,7 @@ import triton_python_backend_utils as pb_utils
 from egemma.engine import boot
 from egemma.engine.config import ModelConfig
 from egemma.engine.tokenizer import TextTokenizer
+from egemma.stub import budget
 from egemma.stub.instance import Heartbeat
 from egemma.stub.metrics import STUB_FAMILIES, Counters, instance_stats
 from egemma.stub.options import OptionError, RequestOptions, allowed_dimensions, check_dimensions, to_tensor
@@ -26,6 +27,7 @@ class TritonPythonModel:
         self.tok = TextTokenizer(self.cfg, params.get("tokenizer_json"), params.get("tokenizer_backend", "auto"))
         boot.phase("tokenizer", source=self.tok.source)
         self.max_text_bytes = int(params.get("max_text_bytes", 1_000_000))
+        self.max_request_tokens = budget.limit(params.get(budget.PARAMETER, ""))
         # checked here too, not only in the encoder: a request the ensemble refuses never reaches the encoder, whose
         # response cache would keep an error as an empty answer (Triton 2.51; tests/test_response_cache.py)
         self.dims = allowed_dimensions(params.get("matryoshka_dims", ""), self.cfg.out_dim)
@@ -83,6 +85,7 @@ class TritonPythonModel:
 
     def _response(self, texts: list[str], rows: list[np.ndarray], opts: RequestOptions):
         lens = np.array([len(r) for r in rows], dtype=np.int32)
+        budget.check(int(lens.sum()), self.max_request_tokens)
         if not opts.truncate:  # only texts that reached the limit can have been cut
             for j in np.flatnonzero(lens == self.tok.max_length):
                 if (n := self.tok.untruncated_length(texts[j])) > self.tok.max_length:
