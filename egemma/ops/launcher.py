@@ -35,6 +35,7 @@ import signal
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from egemma.engine.cache import cache_dir
@@ -128,20 +129,54 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None):
+    a = parse(argv)
+    run = start(a)
+    report(run)
+    # everything is stopped and cleaned up: no interpreter teardown (with torch imported for the tokenizer's
+    # resolution it took seconds, which a stop should not)
+    os._exit(stop(run))
+
+
+@dataclass
+class Running:
+    """What start() brought up, for report() and stop()."""
+    a: argparse.Namespace
+    checkpoint: Path
+    demo: bool
+    admin_key: str
+    api_key: str | None
+    internal: int  # Triton's own HTTP port, behind the gateway
+    host: str  # the address clients reach the ports on (loopback for a wildcard bind)
+    front: Front
+    supervisor: object  # the Watchdog, or the TritonServer itself with --no-watchdog
+    stopping: threading.Event  # a first SIGTERM / SIGINT
+    hurry: threading.Event  # a second one
+
+
+def parse(argv=None) -> argparse.Namespace:
+    """The flags, with --gpus, --param and --instances parsed (an error names the flag and exits 2)."""
     ap = parser()
     a = ap.parse_args(argv)
-    # The handler only flags (set before anything starts, so an early signal is not lost): a first SIGTERM /
-    # SIGINT stops (cancelling a boot), a second hurries the stop; the main thread does the waiting.
-    stop, hurry = threading.Event(), threading.Event()
-
-    def on_signal(*_):
-        (hurry if stop.is_set() else stop).set()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, on_signal)
     try:
-        gpus = parse_gpus(a.gpus, visible_gpus())
+        a.gpus = parse_gpus(a.gpus, visible_gpus())
     except ValueError as e:
         ap.error(str(e))
+    a.param = {budget.PARAMETER: str(a.max_request_tokens), **dict(p.split("=", 1) for p in a.param)}
+    a.instances = {m: int(n) for m, n in (p.split("=", 1) for p in a.instances)}
+    return a
+
+
+def start(a: argparse.Namespace) -> Running:
+    """The gateway and Triton (under the watchdog unless --no-watchdog), ready; a signal during boot stops it all
+    and exits 0."""
+    # The handler only flags (set before anything starts, so an early signal is not lost): a first SIGTERM /
+    # SIGINT stops (cancelling a boot), a second hurries the stop; the main thread does the waiting.
+    stopping, hurry = threading.Event(), threading.Event()
+
+    def on_signal(*_):
+        (hurry if stopping.is_set() else stopping).set()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
     ckpt = resolve_checkpoint(a.model)
     demo = ModelConfig.load(ckpt).demo
     if demo:
@@ -149,19 +184,17 @@ def main(argv=None):
               "embeddings mean nothing", file=sys.stderr, flush=True)
     if not gpu_host():  # Triton gets CPU_ARGS (egemma.ops.tritonserver): no CUDA, NVML or DCGM probes
         print("no GPU: serving on CPU", flush=True)
-    params = {budget.PARAMETER: str(a.max_request_tokens), **dict(p.split("=", 1) for p in a.param)}
-    instances = {m: int(n) for m, n in (p.split("=", 1) for p in a.instances)}
     key = a.admin_key or secrets.token_urlsafe(16)
     api_key_file = _api_key_file(a)
     api_key = read_key(api_key_file).decode() if api_key_file else None
     # one port for every restart (the gateway's upstream), none of those asked for
     internal = a.triton_http_port or free_port(avoid={a.http_port, a.grpc_port, a.metrics_port, a.openai_port})
 
-    def start():
-        return TritonServer(ckpt, a.host, internal, a.grpc_port, a.metrics_port, a.run_dir, params,
-                            admin_key=key, exit_timeout_secs=a.exit_timeout_secs, instances=instances, gpus=gpus,
-                            http_host="127.0.0.1", api_key=api_key, response_cache_mb=a.response_cache_mb, cancel=stop,
-                            extra_args=tracing.triton_args(a.otlp_endpoint))
+    def server():
+        return TritonServer(ckpt, a.host, internal, a.grpc_port, a.metrics_port, a.run_dir, a.param,
+                            admin_key=key, exit_timeout_secs=a.exit_timeout_secs, instances=a.instances, gpus=a.gpus,
+                            http_host="127.0.0.1", api_key=api_key, response_cache_mb=a.response_cache_mb,
+                            cancel=stopping, extra_args=tracing.triton_args(a.otlp_endpoint))
 
     a.run_dir.mkdir(parents=True, exist_ok=True)
     cachedir.prepare(a.cache_dir, a.run_dir, log=lambda m: print(m, file=sys.stderr, flush=True))
@@ -184,10 +217,10 @@ def main(argv=None):
     try:
         if a.watchdog:
             from egemma.ops.watchdog import Watchdog
-            supervisor = Watchdog(start, max_busy=a.watchdog_max_busy, health_file=health_file).start()
+            supervisor = Watchdog(server, max_busy=a.watchdog_max_busy, health_file=health_file).start()
         else:
-            supervisor = start()
-        front.wait(cancel=stop)
+            supervisor = server()
+        front.wait(cancel=stopping)
     except (RuntimeError, TimeoutError, Cancelled) as e:
         front.kill()
         if supervisor is not None:
@@ -197,17 +230,23 @@ def main(argv=None):
             sys.exit(0)
         raise
     cachedir.seal(a.cache_dir)
-    demo_banner = "\n  DEMO    random weights: the embeddings mean nothing (docs/operations.md)" if demo else ""
+    return Running(a, ckpt, demo, key, api_key, internal, h, front, supervisor, stopping, hurry)
+
+
+def report(r: Running):
+    """The ready banner: endpoints, keys, what is on, and two requests to copy."""
+    a, h, key = r.a, r.host, r.admin_key
+    demo_banner = "\n  DEMO    random weights: the embeddings mean nothing (docs/operations.md)" if r.demo else ""
     traces = f"\n  traces  to {a.otlp_endpoint} (sampled {a.otlp_sample_ratio:g})" if a.otlp_endpoint else ""
     print(f"""
-ready: model 'embeddinggemma' (checkpoint {ckpt}){demo_banner}
+ready: model 'embeddinggemma' (checkpoint {r.checkpoint}){demo_banner}
   HTTP    http://{h}:{a.http_port}  (gateway: KServe v2, OpenAI, TEI; bodies up to {a.max_request_bytes} bytes)
   gRPC    {h}:{a.grpc_port}
   metrics http://{h}:{a.http_port}/metrics  (Triton's, port {a.metrics_port}, and the gateway's){traces}
   admin   the {ADMIN_APIS} APIs need HTTP header '{ADMIN_HEADER}: {key}'
           (gRPC metadata 'triton-grpc-protocol-{ADMIN_HEADER}: {key}')
   api key {f"required for inference (HTTP 'Authorization: Bearer KEY', KServe also '{API_HEADER}: KEY'; gRPC "
-           f"metadata 'triton-grpc-protocol-{API_HEADER}: KEY')" if api_key else 'none: inference is open to anyone'}
+           f"metadata 'triton-grpc-protocol-{API_HEADER}: KEY')" if r.api_key else 'none: inference is open to anyone'}
   watchdog {'on' if a.watchdog else 'off'}; SIGTERM drains in-flight requests for up to {a.exit_timeout_secs}s
   cache   {a.cache_dir}
   openai  {f'http://{h}:{a.openai_port}/v1/embeddings' if a.openai_port else f'http://{h}:{a.http_port}/v1/embeddings'}
@@ -219,31 +258,35 @@ ready: model 'embeddinggemma' (checkpoint {ckpt}){demo_banner}
 i = g.InferInput('TEXT', [1, 1], 'BYTES'); i.set_data_from_numpy(np.array([[b'hello world']], dtype=object)); \\
 print(c.infer('embeddinggemma', [i]).as_numpy('EMBEDDING'))"
 """, flush=True)
-    rc = 0
-    while not stop.wait(0.5):
-        front.check()
-        if not a.watchdog and supervisor.proc.poll() is not None:  # unsupervised, a dead server ends it all
-            rc = supervisor.proc.returncode
+
+
+def stop(r: Running) -> int:
+    """Serve until a SIGTERM / SIGINT (or, unsupervised, the server's death), then stop in order: readiness 503 and
+    the gateway's connections to Triton closed, Triton drained, the gateway stopped, the cache sealed. The exit
+    code: the dead server's, else 1 after a second signal, else 0."""
+    a, rc = r.a, 0
+    while not r.stopping.wait(0.5):
+        r.front.check()
+        if not a.watchdog and r.supervisor.proc.poll() is not None:  # unsupervised, a dead server ends it all
+            rc = r.supervisor.proc.returncode
             break
     t0 = time.monotonic()
     print("stopping: readiness 503, draining the requests in flight ...", flush=True)
-    front.drain()
+    r.front.drain()
     # Triton polls its open HTTP connections once a second while stopping: give the gateway's idle ones the moment
     # they take to close (busy ones close after their answer, which Triton waits for anyway)
     deadline = time.monotonic() + 0.5
-    while connections_to(internal) and time.monotonic() < deadline and not hurry.wait(0.02):
+    while connections_to(r.internal) and time.monotonic() < deadline and not r.hurry.wait(0.02):
         pass
-    supervisor.stop(hurry=hurry)
-    front.stop(hurry=hurry)
-    if not hurry.is_set():
+    r.supervisor.stop(hurry=r.hurry)
+    r.front.stop(hurry=r.hurry)
+    if not r.hurry.is_set():
         cachedir.seal(a.cache_dir)
-    print(f"stopped in {time.monotonic() - t0:.1f}s{' (at once: second signal)' if hurry.is_set() else ''}",
+    print(f"stopped in {time.monotonic() - t0:.1f}s{' (at once: second signal)' if r.hurry.is_set() else ''}",
           flush=True)
     sys.stdout.flush()
     sys.stderr.flush()
-    # everything is stopped and cleaned up: no interpreter teardown (with torch imported for the tokenizer's
-    # resolution it took seconds, which a stop should not)
-    os._exit(rc or int(hurry.is_set()))
+    return rc or int(r.hurry.is_set())
 
 
 def _api_key_file(a) -> Path | None:
