@@ -27,9 +27,9 @@ class Servers:
         self.stack = contextlib.ExitStack()
 
     def __call__(self, checkpoint: Path | None = None, **kw):
-        """A started egemma.ops.tritonserver.TritonServer; kw as TritonServer's (instances, params, repository,
+        """A started egemma.ops.tritonserver.TritonServer; kw as ServerConfig's (instances, params, repository,
         exit_timeout_secs, ports, ...). Callable from another thread (a Watchdog's restarts)."""
-        from egemma.ops.tritonserver import TritonServer, free_port
+        from egemma.ops.tritonserver import ServerConfig, TritonServer, free_port
         d = self.root / f"server{next(self.n)}"
         d.mkdir(parents=True)
         log = self.stack.enter_context(open(d / "tritonserver.log", "w"))
@@ -38,7 +38,7 @@ class Servers:
                 kw[port] = free_port()
         kw.setdefault("ready_timeout", 300)
         try:
-            s = TritonServer(checkpoint or self.checkpoint, run_dir=d, log_file=log, **kw)
+            s = TritonServer(ServerConfig(checkpoint or self.checkpoint, run_dir=d, **kw), log_file=log)
         except Exception as e:  # say why: the end of the server's own log
             log.flush()
             tail = "".join((d / "tritonserver.log").read_text(errors="replace").splitlines(True)[-30:])

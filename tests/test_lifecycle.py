@@ -75,7 +75,8 @@ def test_launcher_watchdog_restores_service_after_the_encoder_dies(checkpoints, 
     """`python -m egemma.ops.launcher` (watchdog on by default): loopback-only sockets, admin key required; SIGKILL
     the encoder's stub; requests in flight fail cleanly, the watchdog notices within 10 s, the service is back
     within 30 s with correct results, and SIGTERM ends launcher and server."""
-    from egemma.ops.tritonserver import CPU_INSTANCES, free_port, gpu_host
+    from egemma.ops.host import CPU_INSTANCES
+    from egemma.ops.tritonserver import free_port, gpu_host
     ports = [free_port() for _ in range(4)]
     la = launcher("--model", checkpoints["eos"], "--run-dir", tmp_path / "run", "--http-port", ports[0],
                   "--grpc-port", ports[1], "--metrics-port", ports[2], "--admin-key", "let-me-in",

@@ -13,7 +13,7 @@ import types
 import pytest
 import torch
 
-from egemma.ops.host import cuda_numbered, parse_gpus, tokenizer_instances, visible_gpus
+from egemma.ops.host import cuda_numbered, default_instances, parse_gpus, tokenizer_instances, visible_gpus
 from egemma.ops.repository import REPO, render_repository
 from helpers import ROOT, text_input
 
@@ -70,6 +70,14 @@ def test_tokenizer_instances_follow_the_cores():
     assert tokenizer_instances(2, 1) == 1 and tokenizer_instances(1, 0) == 1
     assert tokenizer_instances(64, 1) == 4  # one GPU's encoders are fed by 4
     assert tokenizer_instances(64, 8) == 16 and tokenizer_instances(128, 8) == 32
+
+
+def test_the_repository_counts_are_the_hosts_defaults():
+    """A bare `tritonserver --model-repository=model_repository` gets the counts egemma.ops.host renders for the
+    measured host (16 cores, one GPU): Triton needs a count in config.pbtxt, egemma.ops.host owns its value."""
+    counts = {m: int(g.split("count: ")[1].split()[0]) for m, g in _groups(REPO).items()}
+    assert counts == default_instances(True, 16, 1)
+    assert default_instances(False, 16, 1) == {ENCODER: 1, "embeddinggemma_tokenizer": 2}
 
 
 # ------------------------------------------------------------------------------ the adapter's initialize

@@ -277,8 +277,9 @@ def test_a_server_dies_with_its_owner_and_leaves_nothing(checkpoints, tmp_path, 
         parent, pid = la.proc, la.server_pid()
     else:
         code = ("import sys, threading; from pathlib import Path; from egemma.ops.tritonserver import TritonServer, "
-                "free_port\ns = TritonServer(Path(sys.argv[1]), http_port=free_port(), grpc_port=free_port(), "
-                "metrics_port=free_port(), run_dir=Path(sys.argv[2]), log_file=open(Path(sys.argv[2]) / 'log', 'w'))"
+                "ServerConfig, free_port\ns = TritonServer(ServerConfig(Path(sys.argv[1]), http_port=free_port(), "
+                "grpc_port=free_port(), metrics_port=free_port(), run_dir=Path(sys.argv[2])), "
+                "log_file=open(Path(sys.argv[2]) / 'log', 'w'))"
                 "\nprint(s.proc.pid, flush=True)\nthreading.Event().wait()")
         (tmp_path / "run").mkdir()
         parent = subprocess.Popen([sys.executable, "-c", code, str(checkpoints["eos"]), str(tmp_path / "run")],

@@ -13,6 +13,13 @@ from pathlib import Path
 # perf/RESULTS.md; deploy/README.md, "Every GPU of a host").
 CORES_PER_TOKENIZER = 4
 TOKENIZERS_PER_GPU = 4
+# Encoder instances per GPU: each request costs its instance Python time and Triton's response path, so one instance
+# caps the request rate; 3 is the latency/throughput balance and 4 the throughput setting (perf/RESULTS.md). The
+# repository's config.pbtxt counts are these for a bare `tritonserver` run (tests/test_placement.py holds them
+# equal); TritonServer renders these.
+ENCODERS_PER_GPU = 3
+# Without a GPU each encoder instance is a CPU forward competing for the cores.
+CPU_INSTANCES = {"embeddinggemma_encoder": 1, "embeddinggemma_tokenizer": 2}
 
 
 def physical_gpus() -> int:
@@ -67,3 +74,11 @@ def parse_gpus(spec: str, visible: list[int]) -> list[int]:
 def tokenizer_instances(cores: int, gpus: int) -> int:
     """The tokenizer's instance count for a host with `cores` usable cores serving `gpus` GPUs (rule above)."""
     return max(1, min(cores // CORES_PER_TOKENIZER, TOKENIZERS_PER_GPU * max(gpus, 1)))
+
+
+def default_instances(gpu_host: bool, cores: int, gpus: int) -> dict[str, int]:
+    """The served models' instance counts: CPU_INSTANCES without a GPU, else ENCODERS_PER_GPU (per GPU: Triton's
+    count for KIND_GPU) and the tokenizer's from the cores (tokenizer_instances)."""
+    if not gpu_host:
+        return dict(CPU_INSTANCES)
+    return {"embeddinggemma_encoder": ENCODERS_PER_GPU, "embeddinggemma_tokenizer": tokenizer_instances(cores, gpus)}

@@ -42,11 +42,13 @@ from egemma.engine.cache import cache_dir
 from egemma.engine.config import ModelConfig
 from egemma.engine.cpus import usable_cores
 from egemma.ops import cachedir
-from egemma.ops.host import parse_gpus, visible_gpus
+from egemma.ops.host import (CORES_PER_TOKENIZER, CPU_INSTANCES, ENCODERS_PER_GPU, TOKENIZERS_PER_GPU, parse_gpus,
+                             visible_gpus)
 from egemma.ops.procfs import Cancelled, connections_to
 from egemma.ops.repository import ROOT, path_env, resolve_checkpoint
 from egemma.ops.front import Front
-from egemma.ops.tritonserver import ADMIN_APIS, ADMIN_HEADER, API_HEADER, HEARTBEATS, TritonServer, free_port, gpu_host
+from egemma.ops.tritonserver import (ADMIN_APIS, ADMIN_HEADER, API_HEADER, HEARTBEATS, ServerConfig, TritonServer,
+                                     free_port, gpu_host)
 from egemma.gateway import tracing
 from egemma.stub import budget
 from egemma.gateway.app import DEFAULT_MAX_BODY, read_key
@@ -74,8 +76,10 @@ def parser() -> argparse.ArgumentParser:
                    help="model parameter, e.g. attention_backend=fa2 (repeatable; docs/configuration.md)")
     g.add_argument("--instances", action="append", default=[], metavar="MODEL=N",
                    help="instance count of a model, e.g. embeddinggemma_encoder=2, per GPU for the encoder "
-                        "(repeatable; default: encoder 3 per GPU and tokenizer one per 4 cores, at most 4 per GPU, "
-                        "on a GPU host; encoder 1 / tokenizer 2 without a GPU)")
+                        f"(repeatable; default: encoder {ENCODERS_PER_GPU} per GPU and tokenizer one per "
+                        f"{CORES_PER_TOKENIZER} cores, at most {TOKENIZERS_PER_GPU} per GPU, on a GPU host; encoder "
+                        f"{CPU_INSTANCES['embeddinggemma_encoder']} / tokenizer "
+                        f"{CPU_INSTANCES['embeddinggemma_tokenizer']} without a GPU)")
     g.add_argument("--gpus", default="all", metavar="all|IDS", help="GPUs to place encoder instances on: 'all' visible ones (default; "
                                                  "none on a CPU host) or device ids such as 0,1")
     g.add_argument("--response-cache-mb", type=int, default=0, metavar="MB",
@@ -87,10 +91,14 @@ def parser() -> argparse.ArgumentParser:
                    help="what a later start reuses: Triton-lang's kernels, the tuning file, the fused weights "
                         "(default: $EGEMMA_CACHE_DIR, else ~/.cache/egemma); unwritable: served without caching")
     g = ap.add_argument_group("network")
-    g.add_argument("--host", default="127.0.0.1", metavar="ADDR", help="bind address (default 127.0.0.1: loopback only)")
-    g.add_argument("--http-port", type=int, default=8000, metavar="N", help="the HTTP gateway: KServe v2, OpenAI, TEI (default 8000)")
-    g.add_argument("--grpc-port", type=int, default=8001, metavar="N", help="Triton's gRPC (default 8001)")
-    g.add_argument("--metrics-port", type=int, default=8002, metavar="N", help="Triton's Prometheus metrics (default 8002)")
+    g.add_argument("--host", default=ServerConfig.host, metavar="ADDR",
+                   help=f"bind address (default {ServerConfig.host}: loopback only)")
+    g.add_argument("--http-port", type=int, default=ServerConfig.http_port, metavar="N",
+                   help=f"the HTTP gateway: KServe v2, OpenAI, TEI (default {ServerConfig.http_port})")
+    g.add_argument("--grpc-port", type=int, default=ServerConfig.grpc_port, metavar="N",
+                   help=f"Triton's gRPC (default {ServerConfig.grpc_port})")
+    g.add_argument("--metrics-port", type=int, default=ServerConfig.metrics_port, metavar="N",
+                   help=f"Triton's Prometheus metrics (default {ServerConfig.metrics_port})")
     g.add_argument("--openai-port", type=int, metavar="N", help="a second port of the gateway (OpenAI, TEI and KServe routes)")
     g.add_argument("--triton-http-port", type=int, default=0, metavar="N",
                    help="Triton's own HTTP port, on 127.0.0.1 behind the gateway (default: a free one)")
@@ -116,8 +124,9 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--run-dir", type=Path, default=ROOT / ".run", metavar="DIR",
                    help="where the rendered repository, the server's state and the watchdog's verdict go "
                         "(default: .run in the repository)")
-    g.add_argument("--exit-timeout-secs", type=int, default=30, metavar="SECONDS",
-                   help="on SIGTERM, how long in-flight requests may take to finish (default 30)")
+    g.add_argument("--exit-timeout-secs", type=int, default=ServerConfig.exit_timeout_secs, metavar="SECONDS",
+                   help=f"on SIGTERM, how long in-flight requests may take to finish "
+                        f"(default {ServerConfig.exit_timeout_secs})")
     g.add_argument("--watchdog", action=argparse.BooleanOptionalAction, default=True,
                    help="restart the server when a canary inference fails or a model process dies (default on)")
     g.add_argument("--watchdog-max-busy", type=float, default=120.0, metavar="SECONDS",
@@ -190,11 +199,13 @@ def start(a: argparse.Namespace) -> Running:
     # one port for every restart (the gateway's upstream), none of those asked for
     internal = a.triton_http_port or free_port(avoid={a.http_port, a.grpc_port, a.metrics_port, a.openai_port})
 
+    config = ServerConfig(ckpt, a.host, internal, a.grpc_port, a.metrics_port, a.run_dir, a.param,
+                          tuple(tracing.triton_args(a.otlp_endpoint)), admin_key=key,
+                          exit_timeout_secs=a.exit_timeout_secs, instances=a.instances, gpus=a.gpus,
+                          http_host="127.0.0.1", api_key=api_key, response_cache_mb=a.response_cache_mb)
+
     def server():
-        return TritonServer(ckpt, a.host, internal, a.grpc_port, a.metrics_port, a.run_dir, a.param,
-                            admin_key=key, exit_timeout_secs=a.exit_timeout_secs, instances=a.instances, gpus=a.gpus,
-                            http_host="127.0.0.1", api_key=api_key, response_cache_mb=a.response_cache_mb,
-                            cancel=stopping, extra_args=tracing.triton_args(a.otlp_endpoint))
+        return TritonServer(config, cancel=stopping)
 
     a.run_dir.mkdir(parents=True, exist_ok=True)
     cachedir.prepare(a.cache_dir, a.run_dir, log=lambda m: print(m, file=sys.stderr, flush=True))

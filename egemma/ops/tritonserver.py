@@ -16,12 +16,13 @@ import tempfile
 import threading
 import time
 import urllib.request
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from egemma.engine.cpus import usable_cores
 from egemma.engine.cache import ENV
 from egemma.engine.tokenizer import cached_tokenizer_json, resolve_ahead
-from egemma.ops.host import tokenizer_instances
+from egemma.ops.host import default_instances
 from egemma.gateway.aioserver import exit_with_parent
 from egemma.ops import shm
 from egemma.ops.procfs import end_group, wait_exit, wait_up
@@ -36,8 +37,6 @@ ADMIN_HEADER = "admin-key"
 # gRPC metadata `triton-grpc-protocol-api-key` (Triton prefixes the name). Triton 2.51 refuses HTTP with a 403 and
 # gRPC with UNAVAILABLE ("This protocol is restricted, expecting header ..."); health and metadata stay open.
 API_HEADER = "api-key"
-# Instance counts without a GPU (TritonServer): each encoder instance is a CPU forward of its own.
-CPU_INSTANCES = {"embeddinggemma_encoder": 1, "embeddinggemma_tokenizer": 2}
 # Triton's stop logs this once every request has been answered and it starts to unload the models. The unload
 # is the slow part, and no request needs it: Triton 2.51's Python backend finalizes a model's instances one after
 # the other, each after a fixed 1 s wait for the stub's health flag, and Triton polls its models once a second: on
@@ -98,33 +97,54 @@ def free_port(avoid=()) -> int:
             return port
 
 
-class TritonServer:
-    """A running tritonserver; `with TritonServer(...) as s:` waits until it is ready and stops it after."""
+@dataclass
+class ServerConfig:
+    """What a tritonserver is started with; each default is defined here (the launcher's flags read them).
+    instances: {model: count} over default_instances (egemma.ops.host) for this repository, else over the
+    repository's own counts. gpus: device ids to place the encoder's instances on (KIND_GPU, its count per GPU);
+    empty: KIND_MODEL as in the repository (cuda:0, or the CPU). stub_bin: the bin directory of the Python
+    environment the stubs run (default $TRITON_STUB_PATH, else this interpreter's). http_host: the address of
+    Triton's own HTTP (default host; the launcher keeps it on loopback behind egemma.gateway.app, since one request
+    can crash it). admin_key: ADMIN_HEADER's value (None: a random one, so the admin APIs are never open by
+    accident). api_key: what inference requires (API_HEADER), on both of Triton's ports; None: open.
+    response_cache_mb: Triton's response cache of that many MiB for the encoder
+    (egemma.ops.repository.render_repository). run_dir: None: a new temporary directory."""
+    checkpoint: Path
+    host: str = "127.0.0.1"
+    http_port: int = 8000
+    grpc_port: int = 8001
+    metrics_port: int = 8002
+    run_dir: Path | None = None
+    params: dict[str, str] = field(default_factory=dict)
+    extra_args: tuple[str, ...] = ()
+    ready_timeout: float = 600.0
+    repository: Path = REPO
+    admin_key: str | None = None
+    exit_timeout_secs: int = 30
+    instances: dict[str, int] = field(default_factory=dict)
+    stub_bin: str | None = None
+    gpus: list[int] = field(default_factory=list)
+    http_host: str | None = None
+    api_key: str | None = None
+    response_cache_mb: int = 0
 
-    def __init__(self, checkpoint: Path, host="127.0.0.1", http_port=8000, grpc_port=8001, metrics_port=8002,
-                 run_dir: Path | None = None, params: dict[str, str] | None = None, log_file=None,
-                 extra_args=(), ready_timeout=600.0, repository: Path = REPO, admin_key: str | None = None,
-                 exit_timeout_secs: int = 30, instances: dict[str, int] | None = None, stub_bin: str | None = None,
-                 gpus: list[int] | None = None, http_host: str | None = None, api_key: str | None = None,
-                 response_cache_mb: int = 0, cancel=None):
-        """instances: {model: count} over the repository's counts (without a GPU, over CPU_INSTANCES first: the
-        repository's are for a GPU host, and on CPU each encoder instance is a forward competing for the cores;
-        with one, the tokenizer's count from the host's cores, egemma.ops.host.tokenizer_instances).
-        gpus: device ids to place the encoder's instances on (KIND_GPU, its count per GPU); None or empty:
-        KIND_MODEL as in the repository (cuda:0, or the CPU).
-        stub_bin: the bin directory of the Python environment the stubs run (default $TRITON_STUB_PATH, else
-        this interpreter's). http_host: the address of Triton's own HTTP (default host; the launcher keeps it on
-        loopback behind egemma.gateway.app, since one request can crash it). api_key: what inference requires
-        (API_HEADER), on both of Triton's ports; None: open. response_cache_mb: Triton's response cache of that many
-        MiB for the encoder (egemma.ops.repository.render_repository). cancel: an event that, set while the server
-        boots, ends it (egemma.ops.procfs.Cancelled): a SIGTERM during boot."""
-        self.host, self.http_port, self.grpc_port, self.metrics_port = host, http_port, grpc_port, metrics_port
-        self.http_host = http_host or host
-        # No key given: a random one, so the admin APIs are never open by accident.
-        self.admin_key = admin_key or secrets.token_urlsafe(16)
+
+class TritonServer:
+    """A running tritonserver; `with TritonServer(ServerConfig(...)) as s:` waits until it is ready and stops it
+    after."""
+
+    def __init__(self, config: ServerConfig, log_file=None, cancel=None):
+        """log_file: where Triton's output goes (default: this process's stdout). cancel: an event that, set while
+        the server boots, ends it (egemma.ops.procfs.Cancelled): a SIGTERM during boot."""
+        cfg = self.config = config
+        checkpoint, api_key, host = cfg.checkpoint, cfg.api_key, cfg.host
+        self.host, self.http_port, self.grpc_port = host, cfg.http_port, cfg.grpc_port
+        self.metrics_port = cfg.metrics_port
+        self.http_host = cfg.http_host or cfg.host
+        self.admin_key = cfg.admin_key or secrets.token_urlsafe(16)
         self.api_key = api_key
-        self.exit_timeout_secs = exit_timeout_secs
-        self.run_dir = Path(run_dir or tempfile.mkdtemp(prefix="egemma-run-"))
+        self.exit_timeout_secs = cfg.exit_timeout_secs
+        self.run_dir = Path(cfg.run_dir or tempfile.mkdtemp(prefix="egemma-run-"))
         self.run_dir.mkdir(parents=True, exist_ok=True)
         shm.reap(self.run_dir)  # a server left by an owner killed with SIGKILL, and its shared memory
         tokenizer_json = self.run_dir / "tokenizer.json"
@@ -137,14 +157,12 @@ class TritonServer:
         else:
             resolve_ahead(checkpoint)
         self.path_env = path_env(checkpoint, self.run_dir)
-        params = {"checkpoint": "", **(params or {})}  # paths go in the environment, not the served configs
-        if repository == REPO:
-            defaults = CPU_INSTANCES if not gpu_host() else {
-                "embeddinggemma_tokenizer": tokenizer_instances(usable_cores(), len(gpus or [0]))}
-            instances = {**defaults, **(instances or {})}
-        self.repo = render_repository(self.run_dir / "model_repository", checkpoint, params, repository,
-                                      instances=instances, gpus=gpus,
-                                      response_cache=response_cache_mb > 0)
+        params = {"checkpoint": "", **cfg.params}  # paths go in the environment, not the served configs
+        instances = cfg.instances
+        if cfg.repository == REPO:
+            instances = {**default_instances(gpu_host(), usable_cores(), len(cfg.gpus)), **instances}
+        self.repo = render_repository(self.run_dir / "model_repository", checkpoint, params, cfg.repository,
+                                      instances=instances, gpus=cfg.gpus, response_cache=cfg.response_cache_mb > 0)
         # Every model instance stamps its executes here (egemma.stub.instance); the watchdog reads them.
         self.heartbeat_dir = self.run_dir / HEARTBEATS
         shutil.rmtree(self.heartbeat_dir, ignore_errors=True)
@@ -156,19 +174,20 @@ class TritonServer:
                     # the configs are complete: without this the Python backend first runs a stub per model just
                     # to ask model.py for a config, importing torch for the encoder, before any instance starts
                     "--disable-auto-complete-config",
-                    f"--http-address={self.http_host}", f"--http-port={http_port}", f"--grpc-address={host}",
-                    f"--grpc-port={grpc_port}", f"--metrics-address={host}", f"--metrics-port={metrics_port}",
+                    f"--http-address={self.http_host}", f"--http-port={self.http_port}", f"--grpc-address={host}",
+                    f"--grpc-port={self.grpc_port}", f"--metrics-address={host}", f"--metrics-port={self.metrics_port}",
                     f"--http-restricted-api={ADMIN_APIS}:{ADMIN_HEADER}={self.admin_key}",
                     f"--grpc-restricted-protocol={ADMIN_APIS}:{ADMIN_HEADER}={self.admin_key}",
                     *([f"--http-restricted-api=inference:{API_HEADER}={api_key}",
                        f"--grpc-restricted-protocol=inference:{API_HEADER}={api_key}"] if api_key else []),
-                    f"--exit-timeout-secs={exit_timeout_secs}", shm.prefix_arg(self.shm_prefix),
+                    f"--exit-timeout-secs={cfg.exit_timeout_secs}", shm.prefix_arg(self.shm_prefix),
                     *(() if gpu_host() else CPU_ARGS),
-                    *(self._cache_args(response_cache_mb, Path(backends).parent) if response_cache_mb > 0 else []),
-                    *extra_args]
+                    *(self._cache_args(cfg.response_cache_mb, Path(backends).parent)
+                      if cfg.response_cache_mb > 0 else []),
+                    *cfg.extra_args]
         env = {**os.environ, **self.path_env, HEARTBEAT_DIR: str(self.heartbeat_dir)}
         # The stub runs the Python whose bin is first on PATH: this one, or $TRITON_STUB_PATH (a numpy<2 venv).
-        stub_bin = stub_bin or os.environ.get("TRITON_STUB_PATH") or str(Path(sys.executable).parent)
+        stub_bin = cfg.stub_bin or os.environ.get("TRITON_STUB_PATH") or str(Path(sys.executable).parent)
         env["PATH"] = f"{stub_bin}{os.pathsep}{env.get('PATH', '')}"
         # The stub links libpython dynamically; let it find this interpreter's own (its lib-dynload modules
         # need the matching patch release, not whatever the system ships).
@@ -186,8 +205,8 @@ class TritonServer:
         threading.Thread(target=self._pump, name="tritonserver-log", daemon=True).start()
         shm.record(self.run_dir, self.proc.pid, self.shm_prefix)
         try:
-            wait_up(self.proc, self.ready, ready_timeout, "tritonserver", " ".join(self.cmd), lambda: None, poll=0.2,
-                    cancel=cancel)
+            wait_up(self.proc, self.ready, cfg.ready_timeout, "tritonserver", " ".join(self.cmd), lambda: None,
+                    poll=0.2, cancel=cancel)
         except BaseException:  # not ready, exited, or cancelled: nothing of it may stay
             self.kill()
             raise

@@ -11,15 +11,15 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from egemma.ops.repository import ROOT
-from egemma.ops.tritonserver import TritonServer, free_port
+from egemma.ops.tritonserver import ServerConfig, TritonServer, free_port
 
 
 @contextmanager
 def triton(checkpoint: Path, log: Path, **kw):
-    """Our tritonserver (egemma.ops.tritonserver.TritonServer, kw as it takes them) on free HTTP, gRPC and metrics
+    """Our tritonserver (egemma.ops.tritonserver.TritonServer, kw as ServerConfig's) on free HTTP, gRPC and metrics
     ports, its output to log; yields the server (http_url, grpc_url, metrics_url, proc)."""
-    with open(log, "w") as f, TritonServer(checkpoint, http_port=free_port(), grpc_port=free_port(),
-                                           metrics_port=free_port(), log_file=f, **kw) as s:
+    config = ServerConfig(checkpoint, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(), **kw)
+    with open(log, "w") as f, TritonServer(config, log_file=f) as s:
         yield s
 
 

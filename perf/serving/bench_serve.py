@@ -207,8 +207,8 @@ def main():
         t0 = time.perf_counter()
         tag = re.sub(r"[^A-Za-z0-9_.-]+", "_", name)  # for file names
         try:
-            with triton(a.checkpoint, a.out / f"server_{tag}.log", repository=repo, instances=instances,
-                        stub_bin=stub_bin, gpus=gpus, params=params) as s:
+            with triton(a.checkpoint, a.out / f"server_{tag}.log", repository=repo, instances=instances or {},
+                        stub_bin=stub_bin, gpus=gpus or [], params=params or {}) as s:
                 print(f"{name}: server ready in {time.perf_counter() - t0:.1f}s", flush=True)
                 results[name] = run_suite(tag, s.grpc_url, f"{s.host}:{s.metrics_port}", model,
                                           data[stub_bin is not None], a.out, log, suite)
