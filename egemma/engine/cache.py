@@ -10,11 +10,15 @@ from pathlib import Path
 ENV = "EGEMMA_CACHE_DIR"
 
 
+def configured() -> Path | None:
+    """$EGEMMA_CACHE_DIR (the launcher exports it), or None: a process started without it caches nothing."""
+    d = os.environ.get(ENV)
+    return Path(d).expanduser() if d else None
+
+
 def cache_dir() -> Path:
     """$EGEMMA_CACHE_DIR, else $XDG_CACHE_HOME/egemma, else ~/.cache/egemma."""
-    if os.environ.get(ENV):
-        return Path(os.environ[ENV]).expanduser()
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "egemma"
+    return configured() or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "egemma"
 
 
 def unwritable(d: Path) -> str | None:

@@ -24,7 +24,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from egemma.engine import boot
-from egemma.engine.cache import ENV, unwritable
+from egemma.engine.cache import configured, unwritable
 from egemma.engine.config import CheckpointError, ModelConfig
 
 log = logging.getLogger("egemma")
@@ -115,7 +115,7 @@ def fuse(c: ModelConfig, dtype) -> tuple[dict[str, torch.Tensor], dict[str, torc
 
 def cached_path(c: ModelConfig, dtype) -> Path | None:
     """Where the fused weights of this checkpoint in dtype are cached; None without $EGEMMA_CACHE_DIR."""
-    if not os.environ.get(ENV):
+    if (root := configured()) is None:
         return None
     src = (c.path / "model.safetensors").resolve()
     if not src.is_file():
@@ -124,7 +124,7 @@ def cached_path(c: ModelConfig, dtype) -> Path | None:
     layout = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
     key = hashlib.sha256(f"{st.st_size}:{st.st_mtime_ns}:{dtype}:{layout}".encode()).hexdigest()[:16]
     name = hashlib.sha256(str(src).encode()).hexdigest()[:16]
-    return Path(os.environ[ENV]).expanduser() / "weights" / f"{name}-{str(dtype).split('.')[-1]}-{key}.safetensors"
+    return root / "weights" / f"{name}-{str(dtype).split('.')[-1]}-{key}.safetensors"
 
 
 def _read_cached(p: Path, device, writable: bool):

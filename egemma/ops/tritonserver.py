@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from egemma.engine.cpus import usable_cores
-from egemma.engine.cache import ENV
+from egemma.engine.cache import configured
 from egemma.engine.tokenizer import cached_tokenizer_json, resolve_ahead
 from egemma.ops.host import default_instances
 from egemma.gateway.aioserver import exit_with_parent
@@ -152,7 +152,7 @@ class TritonServer:
         # With a cache directory, a miss is resolved into it on a thread of this process while the models load, not
         # ahead of the whole boot (cold, the models began loading 16.9 s after the start, warm 2.4 s: run 124); the
         # tokenizer model waits for it and writes the file.
-        if (text := cached_tokenizer_json(checkpoint, resolve=not os.environ.get(ENV))) is not None:
+        if (text := cached_tokenizer_json(checkpoint, resolve=configured() is None)) is not None:
             tokenizer_json.write_text(text)
         else:
             resolve_ahead(checkpoint)

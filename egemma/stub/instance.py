@@ -50,12 +50,18 @@ def instance_device(args: dict, requested: str = "auto") -> str:
     return f"cuda:{idx}"
 
 
+def heartbeat_dir() -> str | None:
+    """$EGEMMA_HEARTBEAT_DIR, where TritonServer has the instances stamp their heartbeats and stats; None for a
+    tritonserver started by hand."""
+    return os.environ.get(HEARTBEAT_DIR) or None
+
+
 class Heartbeat:
     """`with self.beat:` around execute (begin, end); `self.beat.tokens(n)` once the execute knows how many tokens
     it embeds, so that the watchdog allows a large batch proportionally longer."""
 
     def __init__(self, name: str, directory: str | None = None):
-        directory = os.environ.get(HEARTBEAT_DIR) if directory is None else directory
+        directory = heartbeat_dir() if directory is None else directory
         if directory:
             fd = os.open(Path(directory) / f"{name}.hb", os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
             try:

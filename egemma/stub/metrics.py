@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from egemma.stub.instance import HEARTBEAT_DIR
+from egemma.stub.instance import heartbeat_dir
 
 
 class Counters:
@@ -104,7 +104,7 @@ class Shared:
 def instance_stats(name: str, families: list[Family]) -> Shared:
     """A model instance's Shared in the heartbeat directory (egemma.stub.instance), or in memory without one
     (tritonserver started by hand: written, read by nobody)."""
-    d = os.environ.get(HEARTBEAT_DIR)
+    d = heartbeat_dir()
     return Shared.in_file(families, Path(d) / f"{name}.stats") if d else Shared(families)
 
 
