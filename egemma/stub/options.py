@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from egemma.engine.windows import LONG_TEXT
+
 OUTPUTS = {"float": "EMBEDDING", "ubinary": "EMBEDDING_UBINARY", "binary": "EMBEDDING_BINARY"}
 MATRYOSHKA = (768, 512, 256, 128)  # the sizes EmbeddingGemma was trained to truncate to
 
@@ -22,17 +24,32 @@ class RequestOptions:
     prompt_name: str | None = None  # a name from config_sentence_transformers.json
     prompt: str | None = None  # a literal prefix
     dimensions: int | None = None  # Matryoshka truncation, then renormalisation
-    truncate: bool = True  # False: a text over max_seq_length is an error instead of being cut
     encoding: str = "float"  # float | ubinary | binary (sentence-transformers quantize_embeddings)
+    # a text over max_seq_length: truncate (cut), error, or chunk (windows, one vector: egemma.engine.windows)
+    long_text: str = "truncate"
+    chunk_overlap: int = 0  # chunk: tokens each window repeats of the one before
+    return_chunks: bool = False  # chunk: each window's vector and spans too (CHUNK_* outputs)
+
+    @property
+    def truncate(self) -> bool:
+        """The parameter truncate, kept as an alias: false is long_text=error."""
+        return self.long_text != "error"
+
+    @property
+    def chunks(self) -> int:
+        """What the encoder makes of a row (OPTIONS' third column): 0 one sequence, 1 windows combined into one
+        vector, 2 that and each window's vector."""
+        return 0 if self.long_text != "chunk" else 1 + self.return_chunks
 
     @classmethod
     def parse(cls, parameters_json: str | None) -> "RequestOptions":
         if not parameters_json or parameters_json == "{}":  # most requests: skip the JSON round trip
             return DEFAULTS
         p = json.loads(parameters_json)
-        unknown = sorted(set(p) - set(cls.__dataclass_fields__))
+        known = sorted({*cls.__dataclass_fields__, "truncate"})
+        unknown = sorted(set(p) - set(known))
         if unknown:
-            raise OptionError(f"unknown parameters {unknown}; known: {sorted(cls.__dataclass_fields__)}")
+            raise OptionError(f"unknown parameters {unknown}; known: {known}")
         for k in ("prompt_name", "prompt"):
             if k in p and not isinstance(p[k], str):
                 raise OptionError(f"{k} must be a string")
@@ -41,15 +58,33 @@ class RequestOptions:
                 p["dimensions"] = int(p["dimensions"])
             except (TypeError, ValueError):
                 raise OptionError(f"dimensions must be an integer, got {p['dimensions']!r}") from None
-        if "truncate" in p:
-            t = p["truncate"]
-            if isinstance(t, str) and t.lower() in ("true", "false"):
-                t = t.lower() == "true"
-            if not isinstance(t, bool):
-                raise OptionError(f"truncate must be true or false, got {p['truncate']!r}")
-            p["truncate"] = t
+        for k in ("truncate", "return_chunks"):
+            if k in p:
+                t = p[k]
+                if isinstance(t, str) and t.lower() in ("true", "false"):
+                    t = t.lower() == "true"
+                if not isinstance(t, bool):
+                    raise OptionError(f"{k} must be true or false, got {p[k]!r}")
+                p[k] = t
         if p.get("encoding", "float") not in OUTPUTS:
             raise OptionError(f"encoding {p['encoding']!r} is not one of {sorted(OUTPUTS)}")
+        if p.get("long_text", "truncate") not in LONG_TEXT:
+            raise OptionError(f"long_text {p['long_text']!r} is not one of {list(LONG_TEXT)}")
+        if "truncate" in p:
+            alias = "truncate" if p.pop("truncate") else "error"
+            if p.setdefault("long_text", alias) != alias:
+                raise OptionError(f"truncate={str(alias == 'truncate').lower()} contradicts long_text="
+                                  f"{p['long_text']}: give long_text alone")
+        if "chunk_overlap" in p:
+            v = p["chunk_overlap"]
+            if type(v) is not int and not (isinstance(v, str) and v.isdigit()):
+                raise OptionError(f"chunk_overlap must be a non-negative integer, got {v!r}")
+            p["chunk_overlap"] = int(v)
+        chunking = p.get("long_text") == "chunk"
+        if not chunking and (p.get("chunk_overlap") or p.get("return_chunks")):
+            raise OptionError("chunk_overlap and return_chunks apply to long_text=chunk")
+        if p.get("return_chunks") and p.get("encoding", "float") != "float":
+            raise OptionError("return_chunks gives float vectors: leave encoding float")
         return cls(**p)
 
 
@@ -58,22 +93,28 @@ ENCODINGS = tuple(OUTPUTS)  # OPTIONS carries an encoding as its index here
 
 
 def to_tensor(opts: RequestOptions, rows: int) -> np.ndarray:
-    """OPTIONS for a request of `rows` rows: INT32 [rows, 2], each (dimensions, 0 for the full size; encoding)."""
-    return np.tile(np.array([opts.dimensions or 0, ENCODINGS.index(opts.encoding)], np.int32), (rows, 1))
+    """OPTIONS for a request of `rows` rows: INT32 [rows, 3], each (dimensions, 0 for the full size; encoding;
+    chunks: RequestOptions.chunks)."""
+    return np.tile(np.array([opts.dimensions or 0, ENCODINGS.index(opts.encoding), opts.chunks], np.int32), (rows, 1))
 
 
 def from_tensor(opts: RequestOptions, t: np.ndarray) -> RequestOptions:
-    """The options of an OPTIONS tensor over those of the parameters, which must agree where they give them."""
-    if t.ndim != 2 or t.shape[1] != 2 or (t.shape[0] and (t != t[:1]).any()):
-        raise OptionError(f"OPTIONS must be [rows, 2] and the same in every row, got {t.tolist()}")
-    dims, enc = (int(v) for v in t[0]) if t.shape[0] else (0, 0)
-    if not 0 <= enc < len(ENCODINGS) or dims < 0:
-        raise OptionError(f"OPTIONS {[dims, enc]}: dimensions must be >= 0 and encoding one of 0-{len(ENCODINGS) - 1} "
-                          f"({', '.join(ENCODINGS)})")
-    got = RequestOptions(opts.prompt_name, opts.prompt, dims or None, opts.truncate, ENCODINGS[enc])
-    if (opts.dimensions not in (None, got.dimensions)) or (opts.encoding not in ("float", got.encoding)):
-        raise OptionError(f"the parameters (dimensions {opts.dimensions}, encoding {opts.encoding}) disagree with "
-                          f"OPTIONS ({got.dimensions}, {got.encoding})")
+    """The options of an OPTIONS tensor (its third column, chunks, 0 where absent) over those of the parameters,
+    which must agree where they give them."""
+    if t.ndim != 2 or t.shape[1] not in (2, 3) or (t.shape[0] and (t != t[:1]).any()):
+        raise OptionError(f"OPTIONS must be [rows, 2 or 3] and the same in every row, got {t.tolist()}")
+    dims, enc, chunks = (*(int(v) for v in t[0]), 0, 0)[:3] if t.shape[0] else (0, 0, 0)
+    if not 0 <= enc < len(ENCODINGS) or dims < 0 or not 0 <= chunks <= 2 or (chunks == 2 and enc):
+        raise OptionError(f"OPTIONS {[dims, enc, chunks]}: dimensions must be >= 0, encoding one of 0-"
+                          f"{len(ENCODINGS) - 1} ({', '.join(ENCODINGS)}), chunks 0-2 (2 with encoding 0)")
+    got = RequestOptions(opts.prompt_name, opts.prompt, dims or None, ENCODINGS[enc],
+                         "chunk" if chunks else opts.long_text if opts.long_text != "chunk" else "truncate",
+                         opts.chunk_overlap if chunks else 0, chunks == 2)
+    if (opts.dimensions not in (None, got.dimensions)) or (opts.encoding not in ("float", got.encoding)) or \
+            (opts.chunks and opts.chunks != got.chunks):
+        raise OptionError(f"the parameters (dimensions {opts.dimensions}, encoding {opts.encoding}, long_text "
+                          f"{opts.long_text}, return_chunks {opts.return_chunks}) disagree with OPTIONS "
+                          f"({got.dimensions}, {got.encoding}, chunks {got.chunks})")
     return got
 
 

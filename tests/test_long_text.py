@@ -1,0 +1,141 @@
+"""Texts over the model's 2048 tokens (issue #44, docs/long-documents.md): long_text=chunk against
+sentence-transformers' own modules run on each window's ids and combined by the documented rule (mean pooling over
+all tokens of all windows, then Dense and Normalize), per-window vectors and spans, and the bad inputs."""
+import numpy as np
+import pytest
+import torch
+import tritonclient.grpc as grpcclient
+
+from helpers import assert_clean_error, assert_close, st_embed_ids, st_ids, st_model, text_input
+
+CHUNK_OUT = ["EMBEDDING", "NUM_TOKENS", "CHUNK_EMBEDDING", "CHUNK_OF", "CHUNK_SPAN"]
+
+
+def windows(model, text: str, prompt: str = "", overlap: int = 0) -> tuple[list[list[int]], list[tuple[int, int]]]:
+    """The windows' ids and text-token spans by the documented rule, from sentence-transformers' tokenizer."""
+    tk = model.tokenizer
+    ids = tk(prompt + text, add_special_tokens=False)["input_ids"]
+    pids = tk(prompt, add_special_tokens=False)["input_ids"] if prompt else []
+    p = next((k for k, (a, b) in enumerate(zip(pids, ids)) if a != b), min(len(pids), len(ids)))
+    head, body, room = [tk.bos_token_id] + ids[:p], ids[p:], model.max_seq_length - 2 - p
+    spans = [(0, min(room, len(body)))]
+    while spans[-1][1] < len(body):
+        a = spans[-1][0] + room - overlap
+        spans.append((a, min(a + room, len(body))))
+    return [head + body[a:b] + [tk.eos_token_id] for a, b in spans], spans
+
+
+def combined(model, seqs: list[list[int]]) -> np.ndarray:
+    """sentence-transformers' Transformer and Pooling on each window, the means weighted by the windows' lengths,
+    then its remaining modules (Dense, Dense, Normalize)."""
+    pooled = []
+    with torch.inference_mode():
+        for s in seqs:
+            f = {"input_ids": torch.tensor([s]), "attention_mask": torch.ones(1, len(s), dtype=torch.long),
+                 "modality": "text"}
+            for m in list(model)[:2]:
+                f = m(f)
+            pooled.append(f["sentence_embedding"][0].double())
+        w = torch.tensor([len(s) for s in seqs], dtype=torch.float64)
+        f = {"sentence_embedding": ((torch.stack(pooled) * w[:, None]).sum(0) / w.sum()).float()[None]}
+        for m in list(model)[2:]:
+            f = m(f)
+    return f["sentence_embedding"][0].numpy()
+
+
+def infer(server, texts, outputs=("EMBEDDING", "NUM_TOKENS"), **params):
+    c = grpcclient.InferenceServerClient(server.grpc_url)
+    r = c.infer("embeddinggemma", [text_input(texts)], parameters=params,
+                outputs=[grpcclient.InferRequestedOutput(o) for o in outputs])
+    return {o: r.as_numpy(o) for o in outputs}
+
+
+def words(n: int, seed: int) -> str:
+    rng = np.random.default_rng(seed)
+    vocab = "the of search result query document kalo mars planet red grüße 日本 🚀 alpha beta".split()
+    return " ".join(rng.choice(vocab, n))
+
+
+LONG = [words(3000, 1), words(7000, 2)]
+
+
+@pytest.mark.parametrize("kw", [{}, {"prompt_name": "document"}, {"chunk_overlap": 100}])
+def test_chunk_is_the_token_weighted_mean_of_the_windows(server, checkpoints, kw):
+    m = st_model(checkpoints["eos"])
+    texts = [*LONG, "short text", ""]
+    got = infer(server, texts, long_text="chunk", **kw)
+    prompt = m.prompts[kw["prompt_name"]] if "prompt_name" in kw else ""
+    ws = [windows(m, t, prompt, kw.get("chunk_overlap", 0))[0] for t in texts]
+    assert [len(w) for w in ws][:2] >= [2, 3]
+    assert_close(got["EMBEDDING"], np.stack([combined(m, w) for w in ws]))
+    # NUM_TOKENS counts what was embedded: every window, its BOS, prompt and EOS included
+    assert got["NUM_TOKENS"].reshape(-1).tolist() == [sum(map(len, w)) for w in ws]
+
+
+def test_a_text_that_fits_gives_todays_vector(server, checkpoints):
+    m = st_model(checkpoints["eos"])
+    body = m.tokenizer(words(3000, 3), add_special_tokens=False)["input_ids"]
+    edge = m.tokenizer.decode(body[:m.max_seq_length - 2])  # exactly one window
+    assert len(m.tokenizer(edge, add_special_tokens=False)["input_ids"]) == m.max_seq_length - 2
+    texts = ["fits", "   ", edge, edge + " the"]
+    chunk, today = infer(server, texts, long_text="chunk"), infer(server, texts)
+    assert (chunk["EMBEDDING"][:3] == today["EMBEDDING"][:3]).all()
+    assert chunk["NUM_TOKENS"][3, 0] > m.max_seq_length  # one token over: a second window
+    assert_close(chunk["EMBEDDING"][3:], combined(m, windows(m, texts[3])[0])[None])
+
+
+def test_return_chunks_gives_each_window_with_its_spans(server, checkpoints):
+    m = st_model(checkpoints["eos"])
+    texts = ["short", LONG[0], LONG[1]]
+    got = infer(server, texts, CHUNK_OUT, long_text="chunk", return_chunks=True, prompt_name="query")
+    prompt = m.prompts["query"]
+    ws = [windows(m, t, prompt) for t in texts]
+    assert got["CHUNK_OF"].reshape(-1).tolist() == [j for j, (w, _) in enumerate(ws) for _ in w]
+    assert_close(got["CHUNK_EMBEDDING"], st_embed_ids(m, [s for w, _ in ws for s in w]))
+    assert_close(got["EMBEDDING"], np.stack([combined(m, w) for w, _ in ws]))
+    spans, k, same = got["CHUNK_SPAN"].tolist(), 0, 0
+    for j, (w, sp) in enumerate(ws):
+        for s, (a, b) in zip(w, sp):
+            ta, tb, ca, cb = spans[k]
+            k += 1
+            assert (ta, tb) == (a, b)
+            # the characters reproduce the window's text tokens; where that text tokenises (after the prompt) into
+            # the same tokens, sentence-transformers on it gives the window's vector (a window may start or end
+            # inside a word, whose piece alone tokenises otherwise: docs/long-documents.md)
+            piece, body = texts[j][ca:cb], s[len(s) - 1 - (b - a):-1]
+            assert m.tokenizer.decode(body).strip() == piece.strip()
+            if st_ids(m, [piece], prompt=prompt)[0] == s:
+                same += 1
+                assert_close(got["CHUNK_EMBEDDING"][k - 1:k], m.encode([piece], prompt=prompt))
+    assert k == len(spans) and same >= 1
+
+
+def test_return_chunks_with_dimensions(server, checkpoints):
+    got = infer(server, [LONG[0]], CHUNK_OUT, long_text="chunk", return_chunks=True, dimensions=32)
+    assert got["EMBEDDING"].shape == (1, 32) and got["CHUNK_EMBEDDING"].shape == (len(got["CHUNK_OF"]), 32)
+    assert np.allclose(np.linalg.norm(got["CHUNK_EMBEDDING"], axis=1), 1, atol=1e-5)
+
+
+@pytest.mark.parametrize("params,needle", [
+    ({"long_text": "split"}, "['truncate', 'error', 'chunk']"),
+    ({"long_text": "chunk", "chunk_overlap": 2046}, "chunk_overlap 2046 must lie in [0, 2046)"),
+    ({"long_text": "chunk", "chunk_overlap": -1}, "chunk_overlap -1 must lie in [0, 2046)"),
+    ({"long_text": "chunk", "chunk_overlap": "x"}, "non-negative integer"),
+    ({"chunk_overlap": 5}, "apply to long_text=chunk"),
+    ({"long_text": "chunk", "prompt": "x " * 2100}, "leaving no room for text"),
+    ({"long_text": "chunk", "truncate": False}, "contradicts long_text=chunk"),
+    ({"long_text": "chunk", "return_chunks": True, "encoding": "ubinary"}, "leave encoding float"),
+    ({"long_text": "error"}, "over the 2048-token limit"),
+])
+def test_bad_input(server, params, needle):
+    c = grpcclient.InferenceServerClient(server.grpc_url)
+    with pytest.raises(Exception) as e:
+        c.infer("embeddinggemma", [text_input([LONG[0]])], parameters=params)
+    assert_clean_error(e.value, needle)
+
+
+def test_deterministic_chunked_texts(server):
+    """The same long text alone and beside others in one request: the same vector (windows are rows of one batch)."""
+    alone = infer(server, [LONG[1]], long_text="chunk")["EMBEDDING"]
+    beside = infer(server, ["a", LONG[0], LONG[1], "b"], long_text="chunk")["EMBEDDING"]
+    np.testing.assert_allclose(beside[2], alone[0], atol=1e-6)
