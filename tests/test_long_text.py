@@ -139,3 +139,27 @@ def test_deterministic_chunked_texts(server):
     alone = infer(server, [LONG[1]], long_text="chunk")["EMBEDDING"]
     beside = infer(server, ["a", LONG[0], LONG[1], "b"], long_text="chunk")["EMBEDDING"]
     np.testing.assert_allclose(beside[2], alone[0], atol=1e-6)
+
+
+def test_every_protocol_gives_the_same_vectors(server, api_gateway, checkpoints):
+    """KServe gRPC and HTTP, OpenAI and TEI, texts and their token ids (windowed as the text is): the same vectors,
+    and usage counts every window."""
+    import requests
+    import tritonclient.http as httpclient
+    m = st_model(checkpoints["eos"])
+    texts, opts = [LONG[0], "short"], {"long_text": "chunk", "chunk_overlap": 64}
+    ref = infer(server, texts, **opts)
+    url = api_gateway.url
+    h = httpclient.InferenceServerClient(url.split("://")[1])
+    kserve_http = h.infer("embeddinggemma", [text_input(texts, httpclient)], parameters=opts).as_numpy("EMBEDDING")
+    ids = [m.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    oa = [requests.post(f"{url}/v1/embeddings", json={"input": x, **opts}, timeout=120).json() for x in (texts, ids)]
+    tei = [requests.post(f"{url}/embed", json={"inputs": x, **opts}, timeout=120).json() for x in (texts, ids)]
+    for got in [kserve_http, *(np.array([d["embedding"] for d in r["data"]], np.float32) for r in oa),
+                *(np.array(r, np.float32) for r in tei)]:
+        assert_close(got, ref["EMBEDDING"])
+    assert [r["usage"]["prompt_tokens"] for r in oa] == [int(ref["NUM_TOKENS"].sum())] * 2
+    bad = requests.post(f"{url}/v1/embeddings", json={"input": texts, "long_text": "whole"}, timeout=30)
+    assert bad.status_code == 400 and "['truncate', 'error', 'chunk']" in bad.json()["error"]["message"]
+    bad = requests.post(f"{url}/embed", json={"inputs": ids, "long_text": "chunk", "chunk_overlap": 5000}, timeout=30)
+    assert bad.status_code == 422 and "chunk_overlap 5000" in bad.json()["error"]

@@ -86,7 +86,8 @@ def readiness(gw: Gateway) -> tuple[bool, str]:
 
 
 _OPTION_TYPES = {"prompt_name": (str, "a string"), "prompt": (str, "a string"), "truncate": (bool, "true or false"),
-                 "dimensions": (int, "an integer")}
+                 "dimensions": (int, "an integer"), "long_text": (str, "a string"),
+                 "chunk_overlap": (int, "an integer"), "return_chunks": (bool, "true or false")}
 
 
 def options(body: dict, keys) -> dict:
