@@ -163,3 +163,83 @@ def test_every_protocol_gives_the_same_vectors(server, api_gateway, checkpoints)
     assert bad.status_code == 400 and "['truncate', 'error', 'chunk']" in bad.json()["error"]["message"]
     bad = requests.post(f"{url}/embed", json={"inputs": ids, "long_text": "chunk", "chunk_overlap": 5000}, timeout=30)
     assert bad.status_code == 422 and "chunk_overlap 5000" in bad.json()["error"]
+
+
+def test_egemma_embed_long_text_chunk(server, tmp_path):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import pyarrow.parquet as pq
+    texts = [LONG[0], "short", LONG[1]]
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    exe = Path(sys.executable).with_name("egemma-embed")
+    r = subprocess.run([exe, src, "-o", tmp_path / "out.parquet", "--url", server.grpc_url, "--long-text", "chunk",
+                        "--chunk-overlap", "32", "--progress", "none"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    t = pq.read_table(tmp_path / "out.parquet")
+    ref = infer(server, texts, long_text="chunk", chunk_overlap=32)
+    assert_close(np.array(t["embedding"].to_pylist(), np.float32), ref["EMBEDDING"])
+    assert t["num_tokens"].to_pylist() == ref["NUM_TOKENS"].reshape(-1).tolist()
+    bad = subprocess.run([exe, src, "-o", tmp_path / "bad.parquet", "--url", server.grpc_url, "--long-text", "all",
+                          "--progress", "none"], capture_output=True, text=True, timeout=600)
+    assert bad.returncode == 2 and "['truncate', 'error', 'chunk']" in bad.stderr
+
+
+def test_real_checkpoint_chunk_parity(real_server, real_checkpoint):
+    """google/embeddinggemma-300m: its prompts (ending in a space that joins the text's first word), its tokenizer."""
+    m = st_model(real_checkpoint)
+    texts = ["Mars, known for its reddish appearance, is often referred to as the Red Planet. Grüße 🚀 " * 180,
+             "Which planet is known as the Red Planet?"]
+    got = infer(real_server, texts, CHUNK_OUT, long_text="chunk", prompt_name="document", chunk_overlap=16,
+                return_chunks=True)
+    ws = [windows(m, t, m.prompts["document"], 16) for t in texts]
+    assert len(ws[0][0]) >= 2
+    assert_close(got["EMBEDDING"], np.stack([combined(m, w) for w, _ in ws]))
+    assert_close(got["CHUNK_EMBEDDING"], st_embed_ids(m, [s for w, _ in ws for s in w]))
+    assert got["CHUNK_SPAN"][:, :2].tolist() == [list(s) for _, sp in ws for s in sp]
+
+
+def test_engine_chunked_texts_have_one_bit_pattern_in_any_batch(checkpoints):
+    """deterministic=true: a long text's vector has the same bits alone and among other texts, in any order."""
+    from egemma.engine import Engine, EngineConfig
+    from egemma.engine.windows import cut, split
+    e = Engine(EngineConfig(str(checkpoints["eos"]), deterministic=True))
+    rng = np.random.default_rng(5)
+    seqs = [np.concatenate([[2], rng.integers(4, e.cfg.vocab_size, n), [1]]).astype(np.int32)
+            for n in (5000, 2046, 2047, 30, 9000)]
+    texts = [split(cut(s, 0, 2048, 50)[0], 2048) for s in seqs]
+    alone = np.concatenate([e.embed(w, [len(w)]) for w in texts])
+    for order in ([0, 1, 2, 3, 4], [4, 3, 2, 1, 0], [3, 0, 3, 4]):
+        got = e.embed([w for k in order for w in texts[k]], [len(texts[k]) for k in order])
+        assert all(np.array_equal(got[j], alone[k]) for j, k in enumerate(order)), order
+
+
+def test_egemma_embed_a_row_per_chunk(server, tmp_path):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import pyarrow.parquet as pq
+    texts = [LONG[0], "", "short", LONG[1]]
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"id": f"d{k}", "text": t}) + "\n" for k, t in enumerate(texts)))
+    exe = Path(sys.executable).with_name("egemma-embed")
+    r = subprocess.run([exe, src, "-o", tmp_path / "out.parquet", "--url", server.grpc_url, "--long-text", "chunk",
+                        "--chunks", "--id-field", "id", "--batch", "2", "--progress", "none"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode in (0, 1), r.stderr  # the empty text may be a bad row
+    t = pq.read_table(tmp_path / "out.parquet").to_pydict()
+    ref = infer(server, texts, CHUNK_OUT, long_text="chunk", return_chunks=True)
+    keep = [k for k, line in enumerate(ref["CHUNK_OF"].reshape(-1) + 1) if line in set(t["line"])]
+    assert_close(np.array(t["embedding"], np.float32), ref["CHUNK_EMBEDDING"][keep])
+    spans = ref["CHUNK_SPAN"][keep]
+    assert [list(x) for x in zip(t["token_start"], t["token_end"], t["char_start"], t["char_end"])] == spans.tolist()
+    of = ref["CHUNK_OF"].reshape(-1)[keep]
+    assert t["id"] == [f"d{k}" for k in of] and t["line"] == (of + 1).tolist()
+    assert t["chunk"] == [int((of[:j] == of[j]).sum()) for j in range(len(of))]
+    got = {line: sum(n for n, ln in zip(t["num_tokens"], t["line"]) if ln == line) for line in set(t["line"])}
+    assert got == {k + 1: int(ref["NUM_TOKENS"][k, 0]) for k in set(of.tolist())}
