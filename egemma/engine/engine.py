@@ -1,5 +1,6 @@
 """The engine: packs token-id sequences into varlen batches, runs the encoder (CUDA-graph replay on GPU,
-eager elsewhere) and returns pooled embeddings, the windows of long texts combined (egemma.engine.windows). Importable and testable without Triton."""
+eager elsewhere) and returns pooled embeddings, the windows of long texts combined (egemma.engine.windows).
+Importable and testable without Triton."""
 from __future__ import annotations
 
 import logging

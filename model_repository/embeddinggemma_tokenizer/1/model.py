@@ -1,8 +1,9 @@
 """Triton adapter: TEXT -> INPUT_IDS / SEQ_LEN with egemma.engine.tokenizer. All texts of all requests in the
 dynamic batch go through one batched tokenizer call; a bad request gets its own error, the others their ids.
 Request parameters: prompt_name / prompt (prepended, as SentenceTransformer.encode), long_text (truncate, error, or
-chunk: a row of the text's windows, egemma.engine.windows; with return_chunks also CHUNK_SPAN); every option is parsed here, so malformed ones fail before tokenising, and those that
-shape the encoder's output leave as OPTIONS (egemma.stub.options.to_tensor), which the response cache keys on."""
+chunk: a row of the text's windows, egemma.engine.windows; with return_chunks also CHUNK_SPAN); every option is
+parsed here, so malformed ones fail before tokenising, and those that shape the encoder's output leave as OPTIONS
+(egemma.stub.options.to_tensor), which the response cache keys on."""
 import time
 
 import numpy as np
