@@ -94,7 +94,9 @@ def main():
     a = ap.parse_args()
     docs, split = documents(a.checkpoint, a.docs, a.tokens)
     print(f"{len(docs)} documents, {sum(map(len, split))} windows", flush=True)
-    with TritonServer(a.checkpoint, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port()) as s:
+    log = (a.out or Path("bench_long.json")).with_suffix(".server.log")
+    with open(log, "w") as f, TritonServer(a.checkpoint, http_port=free_port(), grpc_port=free_port(),
+                                           metrics_port=free_port(), log_file=f) as s:
         r = asyncio.run(bench(s.grpc_url, docs, split, a.runs))
     r["settings"] = vars(a) | {"checkpoint": str(a.checkpoint), "out": str(a.out)}
     for k in ("chunk", "split"):

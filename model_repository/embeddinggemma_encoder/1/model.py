@@ -60,8 +60,8 @@ class TritonPythonModel:
             opts = from_tensor(opts, t["OPTIONS"].as_numpy())
         elif self.needs_options:
             raise OptionError("this server caches responses (keyed on the inputs, never the parameters): send the "
-                              "OPTIONS input, INT32 [rows, 2] of (dimensions or 0, encoding 0 float / 1 ubinary / "
-                              "2 binary)")
+                              "OPTIONS input, INT32 [rows, 2 or 3] of (dimensions or 0, encoding 0 float / 1 "
+                              "ubinary / 2 binary[, chunks 0 / 1 long_text=chunk / 2 with return_chunks])")
         check_dimensions(opts, self.dims)
         ids = t["INPUT_IDS"].as_numpy()
         if ids.ndim != 2:
