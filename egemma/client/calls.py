@@ -42,9 +42,24 @@ class Stopped(Exception):
 
 @dataclass
 class Embedded:
-    vectors: np.ndarray  # [n, width] float32, or uint8 / int8 packed bits
+    vectors: np.ndarray  # [n, width] float32, or uint8 / int8 packed bits; with chunks a row per window
     tokens: np.ndarray  # [n] int32
     refused: dict[int, str]  # index in the batch -> the server's reason, for rows left out of vectors
+    # with chunks: [n] the embedded text (counted without the refused ones) each window belongs to, and [n, 5] its
+    # chunk number, text tokens [start, end) and characters [start, end) (the server's CHUNK_SPAN)
+    of: np.ndarray | None = None
+    chunks: np.ndarray | None = None
+
+
+def windows(of: np.ndarray, span: np.ndarray, num_tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(each window's tokens as embedded, [windows, 5] chunk number and span) from the server's CHUNK_OF /
+    CHUNK_SPAN and each text's NUM_TOKENS: a text's windows each add the same BOS, prompt and EOS to their text
+    tokens."""
+    texts = len(num_tokens)
+    n, body = np.bincount(of, minlength=texts), span[:, 1] - span[:, 0]
+    extra = (num_tokens - np.bincount(of, weights=body, minlength=texts).astype(np.int64)) // np.maximum(n, 1)
+    number = np.arange(len(of)) - (np.cumsum(n) - n)[of]
+    return (body + extra[of]).astype(np.int32), np.column_stack([number, span]).astype(np.int32)
 
 
 class Server:
@@ -52,23 +67,32 @@ class Server:
 
     def __init__(self, urls: list[str], params: dict, encoding: str, timeout: float, retry_for: float,
                  model: str = MODEL):
+        """params with return_chunks: each window of every text is a row (Embedded.of / chunks)."""
         self.clients = [grpcaio.InferenceServerClient(u, channel_args=CHANNEL) for u in urls]
-        self.urls, self.params, self.output, self.model = urls, params, OUTPUTS[encoding], model
+        self.urls, self.params, self.model = urls, params, model
+        self.chunked = bool(params.get("return_chunks"))
+        names = ("CHUNK_EMBEDDING", "NUM_TOKENS", "CHUNK_OF", "CHUNK_SPAN") if self.chunked else \
+            (OUTPUTS[encoding], "NUM_TOKENS")
+        self.outputs = [grpcclient.InferRequestedOutput(n) for n in names]
         self.timeout, self.retry_for = timeout, retry_for
         self._next = itertools.cycle(range(len(urls)))
         self.retries = 0
         self.stopping = False
         self.on_retry = lambda url, error: None  # told of every failed attempt that will be retried
 
-    async def _once(self, k: int, texts: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
+    async def _once(self, k: int, texts: list[bytes]) -> Embedded:
         i = grpcclient.InferInput("TEXT", [len(texts), 1], "BYTES")
         i.set_data_from_numpy(np.array(texts, dtype=np.object_).reshape(-1, 1))
         r = await self.clients[k].infer(self.model, [i], parameters=self.params, client_timeout=self.timeout,
-                                        outputs=[grpcclient.InferRequestedOutput(self.output),
-                                                 grpcclient.InferRequestedOutput("NUM_TOKENS")])
-        return r.as_numpy(self.output), r.as_numpy("NUM_TOKENS").reshape(-1)
+                                        outputs=self.outputs)
+        got = [r.as_numpy(o.name()) for o in self.outputs]
+        if not self.chunked:
+            return Embedded(got[0], got[1].reshape(-1), {})
+        of = got[2].reshape(-1)
+        tokens, chunks = windows(of, got[3], got[1].reshape(-1))
+        return Embedded(got[0], tokens, {}, of, chunks)
 
-    async def call(self, texts: list[bytes], k: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    async def call(self, texts: list[bytes], k: int | None = None) -> Embedded:
         """One request's answer, retried (on the next URL each time, or always URL k) until it succeeds, the
         server refuses it (Refused), it has failed for retry_for seconds (Unreachable) or the run stops."""
         first, delay = None, 0.25
@@ -93,8 +117,7 @@ class Server:
     async def embed(self, texts: list[bytes]) -> Embedded:
         """Every text's embedding, or the server's reason for the rows it refuses (found by splitting)."""
         try:
-            vectors, tokens = await self.call(texts)
-            return Embedded(vectors, tokens, {})
+            return await self.call(texts)
         except Refused as e:
             if len(texts) == 1:
                 return Embedded(None, None, {0: str(e)})
@@ -104,8 +127,11 @@ class Server:
         parts = [p for p in (a, b) if p.vectors is not None]
         if not parts:
             return Embedded(None, None, refused)
-        return Embedded(np.concatenate([p.vectors for p in parts]), np.concatenate([p.tokens for p in parts]),
-                        refused)
+        cat = [np.concatenate([p.vectors for p in parts]), np.concatenate([p.tokens for p in parts]), refused]
+        if self.chunked:  # b's windows follow a's embedded texts
+            ofs = [a.of] * (a.vectors is not None) + [b.of + half - len(a.refused)] * (b.vectors is not None)
+            cat += [np.concatenate(ofs), np.concatenate([p.chunks for p in parts])]
+        return Embedded(*cat)
 
     async def probe(self) -> tuple[int, np.dtype]:
         """Check the options against every URL with one short text (retried while a server comes up): the
@@ -118,7 +144,7 @@ class Server:
             except Unreachable as e:
                 raise Unreachable(f"{self.urls[k]}: {e}") from None
         answers = await asyncio.gather(*(one(k) for k in range(len(self.clients))))
-        shapes = {(v.shape[1], v.dtype) for v, _ in answers}
+        shapes = {(e.vectors.shape[1], e.vectors.dtype) for e in answers}
         if len(shapes) != 1:
             raise UsageError(f"the servers at {', '.join(self.urls)} answer differently: {sorted(shapes)}")
         return shapes.pop()

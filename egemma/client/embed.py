@@ -36,6 +36,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--prompt-name", help="e.g. document, query (default: the server's, no prompt)")
     ap.add_argument("--dimensions", type=int, help="Matryoshka truncation (default: the model's full width)")
     ap.add_argument("--encoding", choices=tuple(OUTPUTS), default="float", help="float, or packed sign bits")
+    ap.add_argument("--long-text", default="truncate", help="a text over the model's 2048 tokens: truncate (cut), "
+                    "error (a bad row), chunk (its windows' one vector: docs/long-documents.md); the server checks it")
+    ap.add_argument("--chunk-overlap", type=int, default=0, help="with --long-text chunk: tokens each window "
+                    "repeats of the one before (0)")
+    ap.add_argument("--chunks", action="store_true", help="with --long-text chunk: a row per window of each text "
+                    "(its line / id, chunk number, token and character span) instead of a row per text")
     ap.add_argument("--model", default=MODEL, help=argparse.SUPPRESS)
     ap.add_argument("--row-group", type=int, default=8192, help="rows a part / row group: what a kill can lose")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds a request may take (600)")
@@ -47,6 +53,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     a = ap.parse_args(argv)
     if not 1 <= a.batch <= 64:
         ap.error("--batch must be 1-64 (the server's max_batch_size)")
+    if (a.chunk_overlap or a.chunks) and a.long_text != "chunk":
+        ap.error("--chunk-overlap and --chunks apply to --long-text chunk")
     if a.inflight < 1 or a.row_group < 1:
         ap.error("--inflight and --row-group must be at least 1")
     a.url = a.url or ["127.0.0.1:8001"]
@@ -89,6 +97,8 @@ async def embed(a) -> int:
                 "input_bytes": None if a.input == "-" else Path(a.input).stat().st_size, "format": fmt,
                 "field": a.field, "id_field": a.id_field, "model": a.model, "prompt_name": a.prompt_name,
                 "dimensions": a.dimensions, "encoding": a.encoding}
+    if a.long_text != "truncate":  # only then: outputs of earlier versions, without these keys, still resume
+        settings.update(long_text=a.long_text, chunk_overlap=a.chunk_overlap, chunks=a.chunks)
     if a.overwrite:
         out.remove()
     if out.complete(settings):
@@ -97,7 +107,9 @@ async def embed(a) -> int:
               file=sys.stderr)
         return BAD_ROWS if n else OK
     params = {k: v for k, v in (("prompt_name", a.prompt_name), ("dimensions", a.dimensions),
-                                ("encoding", a.encoding)) if v is not None}
+                                ("encoding", a.encoding), ("long_text", a.long_text),
+                                ("chunk_overlap", a.chunk_overlap or None), ("return_chunks", a.chunks or None))
+              if v is not None}
     server = Server(a.url, params, a.encoding, a.timeout, a.retry_for, a.model)
     noted = [0.0]
 
@@ -117,7 +129,7 @@ async def embed(a) -> int:
                             {"int64": "int", "string": "str"}.get(str(id_type)))
 
         def schema():
-            return out.make_schema(int(width), dtype, bool(a.id_field), id_type or reader.id_type)
+            return out.make_schema(int(width), dtype, bool(a.id_field), id_type or reader.id_type, a.chunks)
         rows = reader.rows(done)
         first = next(rows, None)  # skips what is done, so that the bar starts there
         progress = Progress(a.progress, reader.total, reader.unit, reader.position() if done else 0)

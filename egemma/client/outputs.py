@@ -23,6 +23,8 @@ from egemma.client.inputs import UsageError
 
 PART = re.compile(r"^part-(\d{12})-(\d{12})\.parquet$")
 ID_TYPES = {"int": pa.int64(), "str": pa.string(), None: pa.string()}
+# --chunks: a row per window, its number in the text and its text tokens and characters [start, end)
+CHUNK_COLUMNS = ("chunk", "token_start", "token_end", "char_start", "char_end")
 
 
 def out_format(path: Path) -> str:
@@ -130,18 +132,21 @@ class Output:
     def n_errors(self) -> int:
         return len(self.errors.read_bytes().splitlines()) if self.errors.exists() else 0
 
-    def make_schema(self, width: int, dtype: np.dtype, with_id: bool, id_type) -> pa.Schema:
-        """line, id (with --id-field: an Arrow type, or "int" / "str" as JSONL ids come), num_tokens, embedding."""
+    def make_schema(self, width: int, dtype: np.dtype, with_id: bool, id_type, chunks: bool = False) -> pa.Schema:
+        """line, id (with --id-field: an Arrow type, or "int" / "str" as JSONL ids come), with chunks the window's
+        CHUNK_COLUMNS, num_tokens, embedding."""
         fields = [pa.field("line", pa.int64())]
         if with_id:
             fields.append(pa.field("id", id_type if isinstance(id_type, pa.DataType) else ID_TYPES[id_type]))
+        fields += [pa.field(c, pa.int32()) for c in CHUNK_COLUMNS if chunks]
         return pa.schema([*fields, pa.field("num_tokens", pa.int32()),
                           pa.field("embedding", pa.list_(DTYPES[np.dtype(dtype)], width))])
 
     def write_part(self, schema: pa.Schema, first: int, last: int, lines, ids, tokens: list[np.ndarray],
-                   vectors: list[np.ndarray], bad: list[dict]):
+                   vectors: list[np.ndarray], bad: list[dict], chunks: list[np.ndarray] = ()):
         """Input lines first..last: the bad rows' entries, then the embedded rows as one part (called in order,
-        from one thread). tokens and vectors: the batches' arrays, taken without a copy."""
+        from one thread). tokens, vectors and chunks (each window's CHUNK_COLUMNS): the batches' arrays, taken
+        without a copy."""
         if bad:
             with open(self.errors, "ab") as f:
                 f.write(b"".join(json.dumps(b, ensure_ascii=False).encode() + b"\n" for b in bad))
@@ -154,6 +159,9 @@ class Output:
                        pa.array(v.reshape(-1), emb.value_type), emb.list_size) for v in vectors], emb)}
         if "id" in schema.names:
             columns["id"] = pa.array(ids, schema.field("id").type)
+        if "chunk" in schema.names:
+            for k, c in enumerate(CHUNK_COLUMNS):
+                columns[c] = pa.chunked_array([pa.array(a[:, k], pa.int32()) for a in chunks], pa.int32())
         table = pa.table([columns[n] for n in schema.names], schema=schema)
         name = f"part-{first:012d}-{last:012d}.parquet"
         tmp = self.partial / f".{name}"

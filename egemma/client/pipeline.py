@@ -9,6 +9,8 @@ import collections
 import concurrent.futures
 import signal
 
+import numpy as np
+
 from egemma.client.calls import Server, Stopped, Unreachable
 from egemma.client.outputs import Output
 from egemma.client.progress import Progress
@@ -42,7 +44,9 @@ class Run:
 
     def commit(self, rows, pos: int, got):
         """A batch's rows into the part being filled; the part is written once it holds --row-group rows."""
-        n_bad, good = len(self.buf.bad), 0
+        n_bad, good, sent = len(self.buf.bad), 0, 0
+        # rows per embedded text: 1, or with chunks its windows
+        per = np.bincount(got.of) if got is not None and got.of is not None else None
         for row in rows:
             why = row.reason
             if why is None:
@@ -52,12 +56,16 @@ class Run:
                 self.buf.bad.append({"line": row.line, **({"id": row.id} if row.id is not None else {}),
                                      "reason": why})
             else:
-                self.buf.lines.append(row.line)
-                self.buf.ids.append(row.id)
+                n = 1 if per is None else int(per[sent])
+                sent += 1
+                self.buf.lines += [row.line] * n
+                self.buf.ids += [row.id] * n
         tokens = 0
         if got is not None and got.vectors is not None:
             self.buf.tokens.append(got.tokens)
             self.buf.vectors.append(got.vectors)
+            if got.chunks is not None:
+                self.buf.chunks.append(got.chunks)
             tokens = int(got.tokens.sum())
         self.last = rows[-1].line
         self.progress.update(pos, good - len(got.refused) if got else 0, tokens, len(self.buf.bad) - n_bad,
@@ -71,7 +79,7 @@ class Run:
             return
         schema = self.schema()  # the id type is known once a row with an id was read
         self.writes.append(self.writer.submit(self.out.write_part, schema, self.written + 1, self.last, b.lines,
-                                              b.ids, b.tokens, b.vectors, b.bad))
+                                              b.ids, b.tokens, b.vectors, b.bad, b.chunks))
         self.written, self.buf = self.last, Part()
 
     async def settle(self, keep: int):
@@ -85,7 +93,7 @@ class Run:
 
 class Part:
     def __init__(self):
-        self.lines, self.ids, self.tokens, self.vectors, self.bad = [], [], [], [], []
+        self.lines, self.ids, self.tokens, self.vectors, self.bad, self.chunks = [], [], [], [], [], []
 
 
 def batches(rows, size: int, position):

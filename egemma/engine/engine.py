@@ -1,5 +1,6 @@
 """The engine: packs token-id sequences into varlen batches, runs the encoder (CUDA-graph replay on GPU,
-eager elsewhere) and returns pooled embeddings. Importable and testable without Triton."""
+eager elsewhere) and returns pooled embeddings, the windows of long texts combined (egemma.engine.windows).
+Importable and testable without Triton."""
 from __future__ import annotations
 
 import logging
@@ -17,6 +18,7 @@ from egemma.engine.ids import problem
 from egemma.engine.model import Encoder, Packed
 from egemma.engine import tuning
 from egemma.engine.select import ATTENTION_BACKENDS, Ops, attention_fn, available_attention_backends, build_ops
+from egemma.engine.windows import combine, normalized
 
 log = logging.getLogger("egemma")
 
@@ -138,9 +140,21 @@ class Engine:
             out.append((start, len(lengths)))
         return out
 
+    def embed(self, seqs: list[np.ndarray], counts: list[int] | None = None) -> np.ndarray:
+        """Embeddings [n, out_dim] fp32 of the texts of B id sequences (each already checked): one text per sequence,
+        or with counts, text t the next counts[t] sequences, the windows of a long text, combined."""
+        x = self.vectors(seqs)
+        return self.finish(x if counts is None else combine(x, [len(s) for s in seqs], counts))
+
+    def finish(self, x: np.ndarray) -> np.ndarray:
+        """Vectors (the Dense projector's, or their combination) as embeddings: L2-normalised where the checkpoint
+        normalises."""
+        return normalized(x) if self.cfg.normalize else x
+
     @torch.inference_mode()
-    def embed(self, seqs: list[np.ndarray]) -> np.ndarray:
-        """Embeddings [B, out_dim] fp32 for B id sequences (each already checked)."""
+    def vectors(self, seqs: list[np.ndarray]) -> np.ndarray:
+        """The Dense projector's outputs [B, out_dim] fp32 (before L2 normalisation) for B id sequences (each
+        already checked), in one varlen pass (split where over max_tokens / max_seqs)."""
         lengths = [len(s) for s in seqs]
         out = np.empty((len(seqs), self.cfg.out_dim), dtype=np.float32)
         for a, b in self.chunks(lengths):

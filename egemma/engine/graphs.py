@@ -1,6 +1,6 @@
-"""Whole-forward CUDA graphs (layers + pooling + Dense + normalise), one per (token bucket, longest-sequence
-class), captured largest-first into one memory pool. A batch replays the smallest graph that holds it: the
-padding tokens form one extra sequence that pooling ignores, and unused sequence slots are empty
+"""Whole-forward CUDA graphs (layers + pooling + Dense; L2 normalisation follows on the host), one per (token
+bucket, longest-sequence class), captured largest-first into one memory pool. A batch replays the smallest graph
+that holds it: the padding tokens form one extra sequence that pooling ignores, and unused sequence slots are empty
 (cu_seqlens repeats). Attention's grid follows max_seqlen, so short-sequence batches get graphs with a small
 one. The attention backend of each graph and layer type is picked by timing at load (egemma.engine.tuning), and
 so is, for the smallest buckets, the layer stack as one kernel (egemma/kernels/layer_stack.py) against the layered

@@ -1,5 +1,6 @@
-"""The sentence-transformers modules after the encoder: mean pooling per sequence, the Dense projector
-(768 -> 3072 -> 768 for EmbeddingGemma) and L2 normalisation, all in fp32 whatever the encoder's dtype."""
+"""The sentence-transformers modules after the encoder: mean pooling per sequence and the Dense projector
+(768 -> 3072 -> 768 for EmbeddingGemma), in fp32 whatever the encoder's dtype. L2 normalisation follows on the host
+(egemma.engine.Engine.embed), after the windows of a long text are combined (egemma.engine.windows)."""
 from __future__ import annotations
 
 import torch
@@ -12,7 +13,6 @@ from egemma.engine.select import Ops
 
 class Head:
     def __init__(self, cfg: ModelConfig, device: torch.device):
-        self.normalize = cfg.normalize
         # The Dense layers have no activation (egemma.engine.config refuses any other): their chain is one affine map,
         # multiplied out at load in fp64. EmbeddingGemma's 768 -> 3072 -> 768 becomes one 768 x 768 GEMM, 8x fewer
         # FLOPs and weight bytes, the same function to fp32 rounding.
@@ -33,8 +33,8 @@ class Head:
 
     def __call__(self, x: torch.Tensor, cu_seqlens: torch.Tensor, n: int, ops: Ops) -> torch.Tensor:
         """x [T, D] -> fp32 [n, out_dim]: the mean over each of the first n sequences' rows (rows past
-        cu_seqlens[n], graph padding that may never have been written, are not read), Dense, L2 norm."""
+        cu_seqlens[n], graph padding that may never have been written, are not read), then Dense."""
         e = ops.mean_pool(x, cu_seqlens, n)
         if self.dense[0] is not None:
             e = F.linear(F.pad(e, (0, 0, 0, self.rows - n)) if n < self.rows else e, *self.dense)[:n]
-        return F.normalize(e, dim=-1) if self.normalize else e
+        return e

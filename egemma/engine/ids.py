@@ -7,6 +7,8 @@ from typing import Sequence
 
 import numpy as np
 
+from egemma.engine.windows import cut
+
 
 def problem(ids: np.ndarray, vocab_size: int, positions: int, longest: int | None = None) -> str | None:
     """Why these ids cannot be embedded, or None: one sequence, or several rows' ids flattened (longest: the longest
@@ -22,11 +24,12 @@ def problem(ids: np.ndarray, vocab_size: int, positions: int, longest: int | Non
     return None
 
 
-def complete(ids: Sequence[int], cfg, truncate: bool) -> np.ndarray:
+def complete(ids: Sequence[int], cfg, long_text: str = "truncate", overlap: int = 0) -> np.ndarray:
     """A client's ids as the encoder embeds them (cfg: egemma.engine.config.ModelConfig): BOS prepended unless the
     first id is BOS, EOS appended unless the last is EOS (so ids with or without specials embed as their text does),
-    over max_seq_length cut keeping EOS last, as text is. ValueError for an id outside the vocabulary, or with
-    truncate=False an over-long sequence."""
+    over max_seq_length cut keeping EOS last (long_text truncate), or refused (error), or windowed (chunk, as a
+    text without a prompt: egemma.engine.windows.cut), as text is. ValueError for an id outside the vocabulary, or
+    an over-long sequence with long_text=error."""
     try:
         a = np.asarray(ids, dtype=np.int64)
     except OverflowError:  # an id past int64 (JSON numbers go to 2^64): outside the vocabulary all the same
@@ -36,9 +39,11 @@ def complete(ids: Sequence[int], cfg, truncate: bool) -> np.ndarray:
     head = [cfg.bos_id] if not a.size or a[0] != cfg.bos_id else []
     tail = [cfg.eos_id] if not a.size or a[-1] != cfg.eos_id else []
     seq = np.concatenate([head, a, tail]).astype(np.int32)
+    if long_text == "chunk":
+        return cut(seq, 0, cfg.max_seq_length, overlap)[0]
     if seq.size > cfg.max_seq_length:
-        if not truncate:
+        if long_text == "error":
             raise ValueError(f"{seq.size} tokens with BOS/EOS, over the {cfg.max_seq_length}-token limit "
-                             "(truncate=false)")
+                             "(long_text=error, or truncate=false)")
         seq = np.append(seq[:cfg.max_seq_length - 1], np.int32(cfg.eos_id))
     return seq

@@ -201,15 +201,25 @@ class TextTokenizer:
         """Tokens the text would take without truncation, specials included."""
         return sum(map(len, self._ids([text], None)[0])) + 2
 
-    def encode(self, texts: list[str]) -> list[np.ndarray]:
-        """int32 id arrays BOS ... EOS, at most max_seq_length long (EOS kept last)."""
+    def encode(self, texts: list[str], whole: bool = False) -> list[np.ndarray]:
+        """int32 id arrays BOS ... EOS, at most max_seq_length long (EOS kept last); whole: untruncated."""
         n, out = self.max_length - 2, []
-        for pieces in self._ids(texts, n):
-            r = np.empty(min(sum(map(len, pieces)), n) + 2, np.int32)
+        for pieces in self._ids(texts, None if whole else n):
+            r = np.empty((sum(map(len, pieces)) if whole else min(sum(map(len, pieces)), n)) + 2, np.int32)
             r[0], r[-1], k = self.cfg.bos_id, self.cfg.eos_id, 1
             for p in pieces:
                 take = min(len(p), len(r) - 1 - k)
                 r[k:k + take] = p[:take]
                 k += take
             out.append(r)
+        return out
+
+    def encode_offsets(self, texts: list[str]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """(int32 ids BOS ... EOS, untruncated; int64 [len - 2, 2] character span [start, end) of each token between
+        BOS and EOS) per text, from Hugging Face's tokenizer (the same ids as encode's, with the offsets it keeps)."""
+        out = []
+        for e in self.tok.encode_batch(texts, add_special_tokens=False):
+            ids = np.empty(len(e.ids) + 2, np.int32)
+            ids[0], ids[1:-1], ids[-1] = self.cfg.bos_id, e.ids, self.cfg.eos_id
+            out.append((ids, np.asarray(e.offsets, np.int64).reshape(-1, 2)))
         return out

@@ -7,6 +7,7 @@ import asyncio
 from dataclasses import dataclass
 
 import numpy as np
+import orjson
 import tritonclient.grpc as grpcclient
 from aiohttp import web
 from tritonclient.utils import InferenceServerException
@@ -16,6 +17,7 @@ from egemma.gateway import retry
 from egemma.gateway.common import GW
 from egemma.gateway.errors import GatewayError, Kind
 from egemma.stub.adapter import triton_params
+from egemma.stub.options import OptionError, RequestOptions, to_tensor
 
 ENSEMBLE, ENCODER, TOKENIZER = "embeddinggemma", "embeddinggemma_encoder", "embeddinggemma_tokenizer"
 MAX_INPUTS = 2048  # inputs per HTTP request (OpenAI's own limit); the gateway splits them into calls of max_batch
@@ -78,7 +80,9 @@ async def embed_texts(gw, texts: list[str], params: dict) -> tuple[np.ndarray, n
 
 
 async def embed_ids(gw, rows: list[np.ndarray], params: dict) -> np.ndarray:
-    """Embeddings [n, D] of complete id sequences (specials already in place), through the encoder model."""
+    """Embeddings [n, D] of complete id sequences (specials already in place; with long_text=chunk each row one
+    input's windows: complete_ids), through the encoder model."""
+    opts = request_options(params)
     async def one(a, b):
         lens = np.array([[len(r)] for r in rows[a:b]], dtype=np.int32)
         ids = np.zeros((b - a, int(lens.max())), dtype=np.int32)  # padding past SEQ_LEN is never read
@@ -89,8 +93,8 @@ async def embed_ids(gw, rows: list[np.ndarray], params: dict) -> np.ndarray:
         s = grpcclient.InferInput("SEQ_LEN", list(lens.shape), "INT32")
         s.set_data_from_numpy(lens)
         # the options as the tokenizer passes them on (egemma.stub.options.to_tensor): the response cache keys on it
-        o = grpcclient.InferInput("OPTIONS", [b - a, 2], "INT32")
-        o.set_data_from_numpy(np.tile(np.array([int(params.get("dimensions") or 0), 0], np.int32), (b - a, 1)))
+        o = grpcclient.InferInput("OPTIONS", [b - a, 3], "INT32")
+        o.set_data_from_numpy(to_tensor(opts, b - a))
         return (await _infer(gw, ENCODER, [i, s, o], _OUT_EMB, params)).as_numpy("EMBEDDING")
     if gw.tracing is not None:
         gw.tracing.note(**{"egemma.model": gw.model_name, "egemma.texts": len(rows),
@@ -108,13 +112,23 @@ async def tokenize(gw, texts: list[str], params: dict) -> list[np.ndarray]:
             for r in part]
 
 
-def complete_ids(rows: list[list[int]], facts: "Facts", truncate: bool) -> list[np.ndarray]:
-    """Clients' token id lists as the encoder gets them (egemma.engine.ids.complete, the id rule). ValueError naming
-    the input for an id outside the vocabulary, or (truncate=False) an over-long input."""
-    out = []
+def request_options(params: dict) -> RequestOptions:
+    """The request options as the models parse them (egemma.stub.options), for the gateway's own use of them;
+    GatewayError(VALIDATION) for a bad one."""
+    try:
+        return RequestOptions.parse(orjson.dumps(params).decode())
+    except OptionError as e:
+        raise GatewayError(Kind.VALIDATION, str(e)) from None
+
+
+def complete_ids(rows: list[list[int]], facts: "Facts", params: dict) -> list[np.ndarray]:
+    """Clients' token id lists as the encoder gets them (egemma.engine.ids.complete, the id rule; long_text=chunk:
+    each one's windows). ValueError naming the input for an id outside the vocabulary, an over-long input with
+    long_text=error (truncate=false), or windows that cannot be made."""
+    opts, out = request_options(params), []
     for j, ids in enumerate(rows):
         try:
-            out.append(complete(ids, facts.cfg, truncate))
+            out.append(complete(ids, facts.cfg, opts.long_text, opts.chunk_overlap))
         except ValueError as e:
             raise ValueError(f"input {j}: {e}") from None
     return out

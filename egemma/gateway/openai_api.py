@@ -7,11 +7,13 @@ POST /v1/embeddings body (unknown fields are a 400, as OpenAI answers them):
   dimensions       a Matryoshka size the server allows (768, 512, 256, 128 for EmbeddingGemma)
   encoding_format  "float" (default) | "base64" (little-endian fp32, what the openai client asks for by default)
   user             accepted and ignored
-  prompt_name, prompt, truncate   extensions, as the KServe request parameters (text input only for prompts)
+  prompt_name, prompt, truncate, long_text, chunk_overlap   extensions, as the KServe request parameters (text
+                   input only for prompts; docs/long-documents.md for long_text)
 Errors are GatewayErrors, answered in OpenAI's shape by the gateway's middleware (egemma.gateway.app).
 Token ids: BOS is prepended unless the first id is BOS and EOS appended unless the last is EOS, so ids with or
 without specials (e.g. from TEI /tokenize) embed exactly as their text; over 2048 tokens they are cut keeping
-EOS last, or with truncate=false rejected. usage.prompt_tokens counts what was embedded (prompt, BOS, EOS)."""
+EOS last, or with truncate=false rejected, or with long_text=chunk windowed as a text is. usage.prompt_tokens
+counts what was embedded (prompt, BOS, EOS, every window)."""
 from __future__ import annotations
 
 import base64
@@ -24,7 +26,8 @@ from egemma.gateway import calls
 from egemma.gateway.common import GW, choice, json_response, options, read_json
 from egemma.gateway.errors import GatewayError, Kind
 
-FIELDS = {"input", "model", "dimensions", "encoding_format", "user", "prompt_name", "prompt", "truncate"}
+FIELDS = {"input", "model", "dimensions", "encoding_format", "user", "prompt_name", "prompt", "truncate", "long_text",
+          "chunk_overlap"}
 _CREATED = int(time.time())
 
 
@@ -81,7 +84,7 @@ async def embeddings(request: web.Request) -> web.Response:
     fmt = choice(body, "encoding_format", ("float", "base64"), "float")
     if body.get("user") is not None and not isinstance(body["user"], str):
         raise GatewayError(Kind.VALIDATION, f"user must be a string, got {body['user']!r}", "user")
-    params = options(body, ("dimensions", "prompt_name", "prompt", "truncate"))
+    params = options(body, ("dimensions", "prompt_name", "prompt", "truncate", "long_text", "chunk_overlap"))
     kind, items = parse_input(body.get("input"))
     if kind == "text":
         emb, ntok = await calls.embed_texts(gw, items, params)
@@ -102,7 +105,7 @@ async def _embed_ids(app, rows: list[list[int]], params: dict) -> tuple[np.ndarr
                                                 "first", k)
     facts = await calls.facts(app)
     try:
-        seqs = calls.complete_ids(rows, facts, params.pop("truncate", True))
+        seqs = calls.complete_ids(rows, facts, params)
     except ValueError as e:
         raise GatewayError(Kind.VALIDATION, str(e), "input") from None
     return await calls.embed_ids(app[GW], seqs, params), np.array([len(s) for s in seqs])

@@ -8,6 +8,9 @@ server differs from TEI:
   the encoder), so unnormalised vectors cannot be given.
 - truncation_direction=left is honoured for inputs that need no truncation (left and right give the same ids);
   an input that would have to be cut is a 422 (this server cuts on the right, keeping EOS last).
+- extensions: long_text (truncate | error | chunk) and chunk_overlap, as the KServe parameters
+  (docs/long-documents.md); with long_text, truncate is not given. Per-window vectors (return_chunks) have no place
+  in /embed's bare list of vectors.
 - token-id inputs get BOS/EOS added where missing (as the OpenAI route); TEI embeds them without specials.
   prompt_name with token ids is a 422 (TEI decodes and re-tokenises them).
 - /tokenize returns the ids the embedding uses (truncated to 2048 unless truncate=false; TEI's are untruncated);
@@ -74,19 +77,24 @@ async def embed(request: web.Request) -> web.Response:
         raise GatewayError(Kind.VALIDATION, "normalize=false is not supported: this model's embeddings are always "
                                             "L2-normalised (its Normalize module runs inside the encoder)")
     truncate, left = _flag(body, "truncate", True), _left(body)
-    params = options(body, ("prompt_name", "dimensions"))
+    params = options(body, ("prompt_name", "dimensions", "long_text", "chunk_overlap"))
+    if "long_text" in params and body.get("truncate") is not None:
+        raise GatewayError(Kind.VALIDATION, "give long_text or truncate, not both (truncate=false is long_text=error)",
+                           "long_text")
     text_at = [j for j, t in enumerate(items) if isinstance(t, str)]
     ids_at = [j for j, t in enumerate(items) if not isinstance(t, str)]
     if ids_at and "prompt_name" in params:
         raise GatewayError(Kind.VALIDATION, "prompt_name applies to text inputs; with token ids, put the prompt's "
                                             "ids first", "prompt_name")
     # left truncation can be honoured exactly when nothing is cut: then ask for no truncation at all
-    cut = truncate and not left
-    text_params = params if cut else {**params, "truncate": False}  # no parameter at all: Triton's fast path
+    long_text = params.get("long_text", "truncate" if truncate else "error")
+    if long_text == "truncate" and left:
+        long_text = "error"
+    text_params = params if long_text == params.get("long_text", "truncate") else {**params, "long_text": long_text}
     try:
         parts = await calls.gather(
             calls.embed_texts(gw, [items[j] for j in text_at], text_params) if text_at else _none(),
-            _embed_ids(request.app, [items[j] for j in ids_at], params, cut) if ids_at else _none())
+            _embed_ids(request.app, [items[j] for j in ids_at], text_params) if ids_at else _none())
     except GatewayError as e:
         if left and truncate and e.kind is Kind.VALIDATION:  # maybe an input that needs cutting
             raise GatewayError(Kind.VALIDATION, f"{e}; truncation_direction=left is honoured only for inputs that "
@@ -104,9 +112,9 @@ async def _none():
     return None
 
 
-async def _embed_ids(app, rows, params, truncate):
+async def _embed_ids(app, rows, params):
     try:
-        seqs = calls.complete_ids(rows, await calls.facts(app), truncate)
+        seqs = calls.complete_ids(rows, await calls.facts(app), params)
     except ValueError as e:
         raise GatewayError(Kind.VALIDATION, f"token ids: {e}", "inputs") from None
     return (await calls.embed_ids(app[GW], seqs, params),)

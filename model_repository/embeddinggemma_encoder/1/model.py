@@ -2,7 +2,9 @@
 Every row of every request in the dynamic batch is packed into one varlen token batch; a malformed request
 gets its own error and never fails the others. Request parameters, or the OPTIONS input over them: dimensions
 (Matryoshka truncation + renormalisation), encoding (float -> EMBEDDING, ubinary -> EMBEDDING_UBINARY, binary ->
-EMBEDDING_BINARY)."""
+EMBEDDING_BINARY), and the long-text mode (OPTIONS' third column): a row over max_seq_length is then the windows of one
+text (egemma.engine.windows), embedded as sequences of the same varlen batch and combined into its one vector; with
+return_chunks each window's vector too (CHUNK_EMBEDDING, CHUNK_OF: the row it belongs to)."""
 import json
 import logging
 import time
@@ -11,6 +13,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from egemma.engine import Engine, EngineConfig, boot
+from egemma.engine.windows import combine, split
 from egemma.stub import budget
 from egemma.stub.instance import Heartbeat, instance_device
 from egemma.stub.metrics import STUB_FAMILIES, Counters, instance_stats
@@ -33,6 +36,8 @@ class TritonPythonModel:
                                          self.engine.device)
         self.beat = Heartbeat(args["model_instance_name"])
         self.dims = allowed_dimensions(dims_spec, self.engine.cfg.out_dim)
+        cfg = self.engine.cfg
+        self.max_len, self.bos, self.eos = cfg.max_seq_length, cfg.bos_id, cfg.eos_id
         # Triton's response cache keys on the inputs only: with it on, an answer made without OPTIONS could be given
         # to a request whose parameters ask for other dimensions, so none is made (Triton does not enforce a
         # required input: checked here)
@@ -47,7 +52,8 @@ class TritonPythonModel:
         self.stats = instance_stats(args["model_instance_name"], STUB_FAMILIES)  # histograms, read by the gateway
         boot.phase("ready")
 
-    def _parse(self, req) -> tuple[RequestOptions, list[np.ndarray]]:
+    def _parse(self, req) -> tuple[RequestOptions, list[np.ndarray], list[int] | None]:
+        """(options, the sequences to embed, the count of each row's sequences where a row is several windows)."""
         # per request, in Python ints and one pass over the inputs: numpy reductions and pb_utils's
         # get_input_tensor_by_name (which lists every input on each call) cost more (perf/RESULTS.md, runs
         # 106-110: the CPU A/B of 56014ee)
@@ -57,8 +63,8 @@ class TritonPythonModel:
             opts = from_tensor(opts, t["OPTIONS"].as_numpy())
         elif self.needs_options:
             raise OptionError("this server caches responses (keyed on the inputs, never the parameters): send the "
-                              "OPTIONS input, INT32 [rows, 2] of (dimensions or 0, encoding 0 float / 1 ubinary / "
-                              "2 binary)")
+                              "OPTIONS input, INT32 [rows, 2 or 3] of (dimensions or 0, encoding 0 float / 1 "
+                              "ubinary / 2 binary[, chunks 0 / 1 long_text=chunk / 2 with return_chunks])")
         check_dimensions(opts, self.dims)
         ids = t["INPUT_IDS"].as_numpy()
         if ids.ndim != 2:
@@ -69,18 +75,45 @@ class TritonPythonModel:
             raise OptionError(f"SEQ_LEN has {len(lens)} rows, INPUT_IDS {rows}")
         if lens and not (1 <= min(lens) and max(lens) <= width):
             raise OptionError(f"SEQ_LEN values must lie in [1, {width}], got {lens}")
+        # sum(lens): the request's tokens as embedded, every window of its texts included, on every path (the
+        # ensemble, the gateway's token ids, a direct call)
         budget.check(sum(lens), self.max_request_tokens)
-        return opts, [ids[j, :n] for j, n in enumerate(lens)]
+        rows = [ids[j, :n] for j, n in enumerate(lens)]
+        if not opts.chunks or max(lens, default=0) <= self.max_len:
+            return opts, rows, None
+        seqs, counts = [], []
+        for j, r in enumerate(rows):
+            ws = split(r, self.max_len)
+            if len(ws) > 1 and any(w[0] != self.bos or w[-1] != self.eos for w in ws):
+                raise OptionError(f"row {j} ({len(r)} tokens, long_text=chunk) is not windows of {self.max_len} "
+                                  "tokens, each BOS ... EOS (egemma.engine.windows.cut makes them)")
+            seqs += ws
+            counts.append(len(ws))
+        return opts, seqs, counts
 
     def _id_errors(self, parsed) -> dict[int, str]:
         """{request index: why} for requests whose ids the engine refuses (egemma.engine.ids: the vocabulary, the
         positions; padding past SEQ_LEN is never embedded, so never checked). One check over the whole batch; only a
         batch that fails it is checked request by request."""
-        seqs = [r for _, (_, rows) in parsed for r in rows]
+        seqs = [r for _, (_, rows, _) in parsed for r in rows]
         if not seqs or self.engine.check(np.concatenate(seqs), max(map(len, seqs))) is None:
             return {}
-        return {i: why for i, (_, rows) in parsed
+        return {i: why for i, (_, rows, _) in parsed
                 if rows and (why := self.engine.check(np.concatenate(rows), max(len(r) for r in rows)))}
+
+    def _respond(self, x, emb, a: int, b: int, opts: RequestOptions, counts: list[int] | None, seqs):
+        """One request's response from the batch's vectors x and embeddings emb (its sequences: a to b)."""
+        if counts is None and not opts.return_chunks:  # most requests
+            return self.a.output(*shape_output(emb[a:b], opts))
+        if counts is None:
+            out = dict([shape_output(emb[a:b], opts)])
+        else:
+            out = dict([shape_output(self.engine.finish(combine(x[a:b], [len(s) for s in seqs[a:b]], counts)), opts)])
+        if opts.return_chunks:
+            counts = counts or [1] * (b - a)
+            out["CHUNK_EMBEDDING"] = shape_output(emb[a:b], opts)[1]
+            out["CHUNK_OF"] = np.repeat(np.arange(len(counts), dtype=np.int32), counts)[:, None]
+        return self.a.outputs(out)
 
     def execute(self, requests):
         with self.beat:  # start/end stamps: the watchdog sees a hung or spinning instance (egemma.stub.instance)
@@ -96,15 +129,16 @@ class TritonPythonModel:
         for i, why in bad.items():
             responses[i] = self.a.invalid(why) if isinstance(why, str) else self.a.internal(why, "vocabulary check")
         spans, seqs = [], []
-        for i, (opts, rows) in parsed:
+        for i, (opts, rows, counts) in parsed:
             if i not in bad:
-                spans.append((i, len(seqs), len(seqs) + len(rows), opts))
+                spans.append((i, len(seqs), len(seqs) + len(rows), opts, counts))
                 seqs.extend(rows)
         tokens = sum(len(s) for s in seqs)
         self.beat.tokens(tokens)  # a large batch is allowed proportionally longer
         t1 = time.perf_counter()
-        try:
-            emb = self.engine.embed(seqs)
+        try:  # the windows of long texts are sequences of the same batch; one normalisation for all sequences
+            x = self.engine.vectors(seqs)
+            emb = self.engine.finish(x)
             t2 = time.perf_counter()
             if seqs:
                 self.stats.observe("egemma_engine_duration_seconds", t2 - t1)
@@ -114,8 +148,8 @@ class TritonPythonModel:
             for i, *_ in spans:
                 responses[i] = self.a.internal(e, "engine failure")
             return responses
-        self.a.respond_each(responses, [(i, (emb[a:b], opts)) for i, a, b, opts in spans],
-                            lambda e, opts: self.a.output(*shape_output(e, opts)))
+        self.a.respond_each(responses, [(i, (x, emb, a, b, opts, counts, seqs)) for i, a, b, opts, counts in spans],
+                            self._respond)
         stats = self.engine.stats
         self.a.count(self.counters, executes=1, sequences=len(seqs), encoder_seconds=time.perf_counter() - t0,
                      embed_seconds=t2 - t1, **{k: v - self.seen[k] for k, v in stats.items()})
