@@ -43,6 +43,9 @@
 #                        tokens, 32 a request, 16 in flight); needs pyarrow + tqdm on the host and tritonclient's
 #                        grpc; $EGEMMA_CORPUS_ARGS go to it (e.g. "--docs 200000", or "--floor": the clients' own
 #                        ceilings against do-nothing models)
+#   long                 perf/serving/bench_long.py: 16 documents of ~8k tokens embedded whole (long_text=chunk) against
+#                        the same windows sent as pre-split texts, docs/s and tokens/s, and the host work of each arm;
+#                        $EGEMMA_LONG_ARGS go to it
 #   boot                 perf/serving/boot.py: `python -m egemma.ops.launcher` on the full-size checkpoint started cold (empty
 #                        --cache-dir) then warm, each instance's boot phases, process start to ready, and the stop
 #                        after each (SIGTERM to exit); the launcher runs the gateway, so carry .gpu/whl
@@ -153,6 +156,10 @@ for step in "$@"; do
       python3 -m perf.serving.bench_corpus "$FULL" --out /tmp/corpus ${EGEMMA_CORPUS_ARGS:-} 2>&1 | tee "$OUT/bench_corpus.log" \
         | grep -v "^\[transformers\]" | tail -n 12
       cp /tmp/corpus/corpus.json /tmp/corpus/cli.log "$OUT/" 2>/dev/null ;;
+    long)
+      # shellcheck disable=SC2086  # the extra arguments are meant to split on spaces
+      python3 -m perf.serving.bench_long "$FULL" --out "$OUT/long.json" ${EGEMMA_LONG_ARGS:-} 2>&1 | tee "$OUT/bench_long.log" \
+        | grep -v "^\[transformers\]" | tail -n 8 ;;
     boot)
       # shellcheck disable=SC2086  # the extra arguments are meant to split on spaces
       python3 -m perf.serving.boot "$FULL" --out "$OUT/boot.json" ${EGEMMA_BOOT_ARGS:-} 2>&1 | tee "$OUT/boot.log" \
