@@ -30,6 +30,7 @@ from egemma.gateway import metrics as gateway_metrics
 from egemma.gateway.common import GW, choice, json_response, options, read_json, readiness
 from egemma.gateway.errors import GatewayError, Kind
 from egemma.gateway.upstream import Upstream
+from egemma.spec import ENSEMBLE
 
 _VOCAB = web.AppKey("egemma_vocab", dict)
 
@@ -176,7 +177,7 @@ async def health_route(request: web.Request) -> web.Response:
         ok, why = readiness(gw)
     else:
         try:
-            ok = await gw.grpc.is_model_ready(calls.ENSEMBLE)
+            ok = await gw.grpc.is_model_ready(ENSEMBLE)
         except Exception as e:  # any failure to ask is a failure to serve
             ok, why = False, f"Triton is not reachable: {e}"
         else:

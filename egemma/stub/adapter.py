@@ -13,7 +13,7 @@ from egemma.engine import boot
 from egemma.engine.config import CheckpointError
 from egemma.engine.tokenizer import PromptError
 from egemma.engine.windows import WindowError
-from egemma.stub.options import OptionError
+from egemma.spec import OptionError
 
 log = logging.getLogger("egemma")
 CLIENT_ERRORS = (OptionError, PromptError, WindowError)  # the request is at fault: INVALID_ARG with the message
