@@ -27,6 +27,12 @@ MATRYOSHKA = (768, 512, 256, 128)  # the sizes EmbeddingGemma was trained to tru
 LONG_TEXT = ("truncate", "error", "chunk")  # what a text over the model's length gets: cut, refused, windowed
 
 
+# The paths a model reads where its config.pbtxt leaves the parameter empty, and the environment variable each comes
+# from: the launcher passes paths this way, never in config.pbtxt, whose text Triton serves to anyone
+# (/v2/models/X/config, gRPC's ModelConfig). Read in one place: egemma.stub.adapter.env_path.
+PATH_ENV = {"checkpoint": "EMBEDDINGGEMMA_PATH", "tokenizer_json": "EGEMMA_TOKENIZER_JSON"}
+
+
 class OptionError(ValueError):
     pass
 

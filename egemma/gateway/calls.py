@@ -153,7 +153,7 @@ def init(app: web.Application):
 
 async def facts(app: web.Application) -> Facts:
     """Read once per process, from the model configs as Triton loaded them, the paths the models use (from the
-    environment, as theirs: egemma.stub.adapter.PATH_ENV) and the checkpoint's own JSON files; retried on the next
+    environment, as theirs: egemma.stub.adapter.env_path) and the checkpoint's own JSON files; retried on the next
     request when Triton is not up yet."""
     st = app[_FACTS]
     if "facts" in st:

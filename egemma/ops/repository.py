@@ -12,8 +12,8 @@ import sys
 from pathlib import Path
 
 from egemma.engine.config import DEMO_MARKER
-from egemma.spec import ENCODER, HUB_ID
-from egemma.stub.adapter import PATH_ENV
+from egemma.spec import ENCODER, HUB_ID, PATH_ENV
+from egemma.stub.adapter import env_path
 
 ROOT = Path(__file__).resolve().parents[2]
 REPO = ROOT / "model_repository"
@@ -58,7 +58,7 @@ def resolve_checkpoint(model: str | None) -> Path:
     (a hub error is then fatal). Neither given: google/embeddinggemma-300m from the HF cache/hub, fatal too when
     a hub token is given (the user meant the hub), else on failure (loudly) a generated demo checkpoint with
     random weights so the server always comes up."""
-    for cand in (model, os.environ.get("EMBEDDINGGEMMA_PATH")):
+    for cand in (model, env_path("checkpoint")):
         if cand:
             if Path(cand).expanduser().is_dir():
                 return Path(cand).expanduser().resolve()
@@ -108,7 +108,7 @@ def instance_group(count: int, kind: str, gpus: list[int] | None = None) -> str:
 
 
 def path_env(checkpoint: Path, run_dir: Path) -> dict[str, str]:
-    """The paths the models (and the gateway) read, as environment variables (egemma.stub.adapter.PATH_ENV): the
+    """The paths the models (and the gateway) read, as environment variables (egemma.spec.PATH_ENV): the
     checkpoint and the tokenizer file the server writes into run_dir. Kept out of the rendered configs, which
     Triton serves to any client."""
     return {PATH_ENV["checkpoint"]: str(checkpoint),
