@@ -119,8 +119,8 @@ def test_return_chunks_with_dimensions(server, checkpoints):
 @pytest.mark.parametrize("params,needle", [
     ({"long_text": "split"}, "one of truncate, error, chunk"),
     ({"long_text": "chunk", "chunk_overlap": 2046}, "chunk_overlap 2046 must lie in [0, 2046)"),
-    ({"long_text": "chunk", "chunk_overlap": -1}, "chunk_overlap -1 must lie in [0, 2046)"),
-    ({"long_text": "chunk", "chunk_overlap": "x"}, "non-negative integer"),
+    ({"long_text": "chunk", "chunk_overlap": -1}, "chunk_overlap must be an integer in [0, 2147483647], got -1"),
+    ({"long_text": "chunk", "chunk_overlap": "x"}, "chunk_overlap must be an integer in [0, 2147483647], got \"x\""),
     ({"chunk_overlap": 5}, "apply to long_text=chunk"),
     ({"long_text": "chunk", "prompt": "x " * 2100}, "leaving no room for text"),
     ({"long_text": "chunk", "truncate": False}, "contradicts long_text=chunk"),
