@@ -84,7 +84,7 @@ async def embed_texts(gw, texts: list[str], params: dict) -> tuple[np.ndarray, n
 
 async def embed_ids(gw, rows: list[np.ndarray], params: dict) -> np.ndarray:
     """Embeddings [n, D] of complete id sequences (specials already in place; with long_text=chunk each row one
-    input's windows: complete_ids), through the encoder model."""
+    input's windows: embed_id_lists), through the encoder model."""
     opts = request_options(params)
     async def one(a, b):
         lens = np.array([[len(r)] for r in rows[a:b]], dtype=np.int32)
@@ -120,17 +120,19 @@ def request_options(params: dict) -> RequestOptions:
         raise GatewayError(Kind.VALIDATION, str(e)) from None
 
 
-def complete_ids(rows: list[list[int]], facts: "Facts", params: dict) -> list[np.ndarray]:
-    """Clients' token id lists as the encoder gets them (egemma.engine.ids.complete, the id rule; long_text=chunk:
-    each one's windows). ValueError naming the input for an id outside the vocabulary, an over-long input with
-    long_text=error (truncate=false), or windows that cannot be made."""
-    opts, out = request_options(params), []
+async def embed_id_lists(app, rows: list[list[int]], params: dict, field: str,
+                         prefix: str = "") -> tuple[np.ndarray, np.ndarray]:
+    """(embeddings [n, D] fp32, tokens embedded [n]) of clients' token id lists, completed as the encoder gets them
+    (egemma.engine.ids.complete, the id rule; long_text=chunk: each one's windows). GatewayError(VALIDATION) on
+    `field`, naming the input, for an id outside the vocabulary, an over-long input with long_text=error
+    (truncate=false), or windows that cannot be made."""
+    cfg, opts, seqs = (await facts(app)).cfg, request_options(params), []
     for j, ids in enumerate(rows):
         try:
-            out.append(complete(ids, facts.cfg, opts.long_text, opts.chunk_overlap))
+            seqs.append(complete(ids, cfg, opts.long_text, opts.chunk_overlap))
         except ValueError as e:
-            raise ValueError(f"input {j}: {e}") from None
-    return out
+            raise GatewayError(Kind.VALIDATION, f"{prefix}input {j}: {e}", field) from None
+    return await embed_ids(app[GW], seqs, params), np.array([len(s) for s in seqs])
 
 
 @dataclass(frozen=True)

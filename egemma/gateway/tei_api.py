@@ -95,7 +95,8 @@ async def embed(request: web.Request) -> web.Response:
     try:
         parts = await calls.gather(
             calls.embed_texts(gw, [items[j] for j in text_at], text_params) if text_at else _none(),
-            _embed_ids(request.app, [items[j] for j in ids_at], text_params) if ids_at else _none())
+            calls.embed_id_lists(request.app, [items[j] for j in ids_at], text_params, "inputs", "token ids: ")
+            if ids_at else _none())
     except GatewayError as e:
         if left and truncate and e.kind is Kind.VALIDATION:  # maybe an input that needs cutting
             raise GatewayError(Kind.VALIDATION, f"{e}; truncation_direction=left is honoured only for inputs that "
@@ -111,14 +112,6 @@ async def embed(request: web.Request) -> web.Response:
 
 async def _none():
     return None
-
-
-async def _embed_ids(app, rows, params):
-    try:
-        seqs = calls.complete_ids(rows, await calls.facts(app), params)
-    except ValueError as e:
-        raise GatewayError(Kind.VALIDATION, f"token ids: {e}", "inputs") from None
-    return (await calls.embed_ids(app[GW], seqs, params),)
 
 
 async def embed_all(request: web.Request) -> web.Response:
