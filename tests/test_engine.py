@@ -63,7 +63,7 @@ def _copy(src, dst):
 
 @pytest.mark.parametrize("biased", [("2_Dense", "3_Dense"), ("2_Dense",), ("3_Dense",)])
 def test_dense_chain_with_biases_is_multiplied_out_like_sentence_transformers(checkpoints, tmp_path, biased):
-    """The Dense layers become one affine map at load (egemma.engine.head): with a bias on either or both, as
+    """The Dense layers become one affine map at load (egemma.engine.model.Head): with a bias on either or both, as
     sentence-transformers' Dense can have."""
     ck = _copy(checkpoints["eos"], tmp_path / "bias")
     for i, sub in enumerate(biased):

@@ -1,6 +1,7 @@
 """The layout rules, read from the source: the tiers' import directions (engine -> nothing of stub, gateway or ops;
 stub -> nothing of gateway or ops; gateway -> nothing of ops; kernels -> none of the four, the engine included: the
-engine chooses among its kernels, never the other way; client -> none of the others, and no torch), no symbolic links
+engine chooses among its kernels, never the other way; client -> none of the others but the spec, and no torch;
+spec, the vocabulary every tier shares -> none of them, and no torch), no symbolic links
 in the package, no top-level `kernels` module anywhere, every file opening with a docstring, source files (perf/ too)
 within ~400 lines unless they say why, and pyproject's package list."""
 import ast
@@ -23,7 +24,9 @@ FORBIDDEN = {"egemma.engine": ("egemma.stub", "egemma.gateway", "egemma.ops"),
              "egemma.stub": ("egemma.gateway", "egemma.ops"), "egemma.gateway": ("egemma.ops",),
              "egemma.kernels": ("egemma.engine", "egemma.stub", "egemma.gateway", "egemma.ops"),
              # egemma-embed runs wherever the corpus is: tritonclient, pyarrow and tqdm, never torch
-             "egemma.client": ("egemma.engine", "egemma.stub", "egemma.gateway", "egemma.ops", "egemma.kernels")}
+             "egemma.client": ("egemma.engine", "egemma.stub", "egemma.gateway", "egemma.ops", "egemma.kernels"),
+             "egemma.spec": ("egemma.engine", "egemma.stub", "egemma.gateway", "egemma.ops", "egemma.kernels",
+                             "egemma.client")}
 MAX_LINES = 400  # files are cut by concept: past this a file holds two, or says why it is one
 LONG_REASON = re.compile(r"\blong:\s*\S+(\s+\S+){2,}")  # "long:" and a reason of three words or more
 
@@ -77,7 +80,7 @@ def test_tiers_import_only_downwards():
     broken two hops away (or in a package __init__) counts."""
     modules = {module_name(p): p for p in py_files("egemma")}
     assert {"egemma.engine.engine", "egemma.stub.adapter", "egemma.ops.launcher", "egemma.kernels.triton_ops",
-            "egemma.client.embed"} <= modules.keys(), sorted(modules)
+            "egemma.client.embed", "egemma.spec"} <= modules.keys(), sorted(modules)
 
     def runs(name: str) -> set[str]:  # the known modules that importing `name` executes: it and its parents
         parts = name.split(".")
@@ -106,10 +109,12 @@ def test_no_symbolic_links_in_the_package():
     assert not (ROOT / "kernels").exists(), "the kernels live in egemma/kernels"
 
 
-def test_the_corpus_client_runs_without_torch():
-    """What importing egemma-embed loads (its third-party imports too): no torch, transformers or tokenizers."""
+@pytest.mark.parametrize("module", ["egemma.client.embed", "egemma.spec"])
+def test_the_corpus_client_and_the_spec_run_without_torch(module):
+    """What importing egemma-embed, or the vocabulary every tier shares, loads (third-party imports too): no
+    torch, transformers or tokenizers."""
     heavy = ("torch", "transformers", "tokenizers", "triton")
-    code = f"import sys, egemma.client.embed; print([m for m in {heavy!r} if m in sys.modules])"
+    code = f"import sys, {module}; print([m for m in {heavy!r} if m in sys.modules])"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
 

@@ -16,9 +16,8 @@ import tritonclient.grpc.aio as grpcaio
 from tritonclient.utils import InferenceServerException
 
 from egemma.client.inputs import UsageError
+from egemma.spec import CHUNK_EMBEDDING, CHUNK_OF, CHUNK_SPAN, ENSEMBLE, NUM_TOKENS, OUTPUTS, TEXT
 
-MODEL = "embeddinggemma"
-OUTPUTS = {"float": "EMBEDDING", "ubinary": "EMBEDDING_UBINARY", "binary": "EMBEDDING_BINARY"}
 REFUSED = "StatusCode.INVALID_ARGUMENT"
 # Reconnect within a second or two of a restarted server listening again (gRPC's default backoff grows to 120 s);
 # round_robin: a dns:/// target of several addresses (a headless Service) spreads over all of them.
@@ -66,13 +65,12 @@ class Server:
     """Calls to `model` at every URL with one set of request parameters."""
 
     def __init__(self, urls: list[str], params: dict, encoding: str, timeout: float, retry_for: float,
-                 model: str = MODEL):
+                 model: str = ENSEMBLE):
         """params with return_chunks: each window of every text is a row (Embedded.of / chunks)."""
         self.clients = [grpcaio.InferenceServerClient(u, channel_args=CHANNEL) for u in urls]
         self.urls, self.params, self.model = urls, params, model
         self.chunked = bool(params.get("return_chunks"))
-        names = ("CHUNK_EMBEDDING", "NUM_TOKENS", "CHUNK_OF", "CHUNK_SPAN") if self.chunked else \
-            (OUTPUTS[encoding], "NUM_TOKENS")
+        names = (CHUNK_EMBEDDING, NUM_TOKENS, CHUNK_OF, CHUNK_SPAN) if self.chunked else (OUTPUTS[encoding], NUM_TOKENS)
         self.outputs = [grpcclient.InferRequestedOutput(n) for n in names]
         self.timeout, self.retry_for = timeout, retry_for
         self._next = itertools.cycle(range(len(urls)))
@@ -81,7 +79,7 @@ class Server:
         self.on_retry = lambda url, error: None  # told of every failed attempt that will be retried
 
     async def _once(self, k: int, texts: list[bytes]) -> Embedded:
-        i = grpcclient.InferInput("TEXT", [len(texts), 1], "BYTES")
+        i = grpcclient.InferInput(TEXT, [len(texts), 1], "BYTES")
         i.set_data_from_numpy(np.array(texts, dtype=np.object_).reshape(-1, 1))
         r = await self.clients[k].infer(self.model, [i], parameters=self.params, client_timeout=self.timeout,
                                         outputs=self.outputs)

@@ -15,11 +15,12 @@ import time
 import traceback
 from pathlib import Path
 
-from egemma.client.calls import MODEL, OUTPUTS, Server, Stopped, Unreachable
+from egemma.client.calls import Server, Stopped, Unreachable
 from egemma.client.inputs import UsageError, input_format, open_input
 from egemma.client.outputs import Output
 from egemma.client.pipeline import BAD_ROWS, FAILED, INTERRUPTED, OK, USAGE, Run, pipeline
 from egemma.client.progress import Progress, si
+from egemma.spec import ENSEMBLE, OUTPUTS
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -42,7 +43,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "repeats of the one before (0)")
     ap.add_argument("--chunks", action="store_true", help="with --long-text chunk: a row per window of each text "
                     "(its line / id, chunk number, token and character span) instead of a row per text")
-    ap.add_argument("--model", default=MODEL, help=argparse.SUPPRESS)
+    ap.add_argument("--model", default=ENSEMBLE, help=argparse.SUPPRESS)
     ap.add_argument("--row-group", type=int, default=8192, help="rows a part / row group: what a kill can lose")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds a request may take (600)")
     ap.add_argument("--retry-for", type=float, default=300.0, help="seconds a request is retried before the "

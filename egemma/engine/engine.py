@@ -4,7 +4,6 @@ Importable and testable without Triton."""
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass
 
@@ -94,7 +93,7 @@ class Engine:
         self.capture()
         log.info("egemma: %s on %s %s, deterministic=%s, %s, CUBLAS_WORKSPACE_CONFIG=%s; load %.1fs, kernel choice "
                  "%.1fs, graphs %.1fs", self.cfg.path, self.device, self.dtype, ec.deterministic,
-                 self.choices.summary(), os.environ.get("CUBLAS_WORKSPACE_CONFIG"), t1 - t0, t2 - t1,
+                 self.choices.summary(), tuning.cublas_workspace(), t1 - t0, t2 - t1,
                  time.perf_counter() - t2)
         self.stats = {"graph_replays": 0, "eager_runs": 0, "tokens": 0}
 

@@ -6,7 +6,7 @@ it and the pre-norm after it; q/k/v and gate/up are joined into one GEMM each at
 both pre-norms' weights are folded into those GEMMs, so the pre-norms only compute each row's scale (rstd) and never
 write their output. The qkv GEMM reads the residual stream itself and qk_norm_rope applies the scale: to v, and to
 q and k, RMS-normalised per head there anyway, as their norms' eps / rstd^2. `mlp_up` may apply its row scale in
-the gate_up GEMM's epilogue, with gelu_and_mul."""
+the gate_up GEMM's epilogue, with gelu_and_mul. Then the Head: mean pooling and the Dense chain, in fp32."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -17,7 +17,6 @@ import torch.nn.functional as F
 
 from egemma.engine import weights
 from egemma.engine.config import ModelConfig
-from egemma.engine.head import Head
 from egemma.kernels import native
 from egemma.engine.select import Ops
 
@@ -50,6 +49,39 @@ class Layer:
     post_attn_norm: torch.Tensor  # [D] each
     post_ff_norm: torch.Tensor
     sliding: bool
+
+
+class Head:
+    """The sentence-transformers modules after the encoder: mean pooling per sequence and the Dense projector
+    (768 -> 3072 -> 768 for EmbeddingGemma), in fp32 whatever the encoder's dtype. L2 normalisation follows on the
+    host (egemma.engine.Engine.embed), after the windows of a long text are combined (egemma.engine.windows)."""
+
+    def __init__(self, cfg: ModelConfig, device: torch.device):
+        # The Dense layers have no activation (egemma.engine.config refuses any other): their chain is one affine map,
+        # multiplied out at load in fp64. EmbeddingGemma's 768 -> 3072 -> 768 becomes one 768 x 768 GEMM, 8x fewer
+        # FLOPs and weight bytes, the same function to fp32 rounding.
+        w = b = None  # [out, in], [out] fp64
+        for d in cfg.dense:
+            path = d.path / "model.safetensors"
+            t = weights.read_safetensors(path, prefixes=("",))
+            want = {"linear.weight": (d.out_features, d.in_features)}
+            if d.bias:
+                want["linear.bias"] = (d.out_features,)
+            weights.check(path, t, want)
+            wd = t["linear.weight"].double()
+            bd = t["linear.bias"].double() if d.bias else None
+            b = bd if b is None else b @ wd.T + (0.0 if bd is None else bd)
+            w = wd if w is None else wd @ w
+        self.dense = (None if w is None else w.float().to(device), None if b is None else b.float().to(device))
+        self.rows = 0  # > 0: the Dense GEMM always on this many rows (zeros past n), so no row's bits follow n
+
+    def __call__(self, x: torch.Tensor, cu_seqlens: torch.Tensor, n: int, ops: Ops) -> torch.Tensor:
+        """x [T, D] -> fp32 [n, out_dim]: the mean over each of the first n sequences' rows (rows past
+        cu_seqlens[n], graph padding that may never have been written, are not read), then Dense."""
+        e = ops.mean_pool(x, cu_seqlens, n)
+        if self.dense[0] is not None:
+            e = F.linear(F.pad(e, (0, 0, 0, self.rows - n)) if n < self.rows else e, *self.dense)[:n]
+        return e
 
 
 class Encoder:

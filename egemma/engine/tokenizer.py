@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
-from egemma.engine.cache import ENV, unwritable
+from egemma.engine.cache import configured, unwritable
 from egemma.engine.chunker import Chunker
 from egemma.engine.config import ModelConfig
 from egemma.engine.cpus import usable_cores
@@ -41,7 +41,7 @@ def _entry(path) -> Path:
         f.name.startswith(("tokenizer", "special_")) or f.name in ("added_tokens.json", "config.json")))
     key = hashlib.sha256(repr([(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files]
                               + [metadata.version("transformers")]).encode()).hexdigest()[:24]
-    return Path(os.environ[ENV]).expanduser() / "tokenizer" / f"{key}.json"
+    return configured() / "tokenizer" / f"{key}.json"
 
 
 def _read(entry: Path) -> str | None:
@@ -74,7 +74,7 @@ def cached_tokenizer_json(path, resolve: bool = True) -> str | None:
     takes seconds of every start); without $EGEMMA_CACHE_DIR, or with a cache that cannot be written, resolved each
     time. A miss is resolved by one process at a time (the others wait, then read it); resolve=False: None on a
     miss."""
-    if not os.environ.get(ENV):
+    if configured() is None:
         return resolved_tokenizer_json(path) if resolve else None
     entry = _entry(path)
     if (text := _read(entry)) is not None or not resolve:
@@ -89,7 +89,7 @@ def resolve_ahead(path) -> threading.Thread | None:
     this returns: processes started next (the tokenizer model's instances) wait on it and read the entry, so they
     never import transformers themselves, which a stub's environment may not manage (numpy 1.26 against a host's
     numpy-2 builds of scipy). None where there is nothing to do."""
-    if not os.environ.get(ENV) or _read(entry := _entry(path)) is not None or unwritable(entry.parent):
+    if configured() is None or _read(entry := _entry(path)) is not None or unwritable(entry.parent):
         return None
     t = threading.Thread(target=_fill, args=(path, entry, _lock(entry)), name="egemma-tokenizer-resolve", daemon=True)
     t.start()
@@ -125,7 +125,7 @@ class TextTokenizer:
         self.cfg = cfg
         f = Path(tokenizer_json) if tokenizer_json else None
         # the boot log says which: the launcher's file, or the cache (resolved here where there is none)
-        self.source = "file" if f is not None and f.exists() else "cache" if os.environ.get(ENV) else "resolved"
+        self.source = "file" if f is not None and f.exists() else "cache" if configured() is not None else "resolved"
         if self.source == "file":
             raw = f.read_text(encoding="utf-8")
         else:

@@ -55,13 +55,21 @@ class Choices:
                 f"layer stack on {len(self.stack)} graphs")
 
 
+CUBLAS_ENV = "CUBLAS_WORKSPACE_CONFIG"
+
+
 def gpu_settings(device: torch.device, cuda_graphs: bool):
     """Before the process's first cuBLAS call. No cuBLAS workspace: its Hopper GEMMs then take their static-schedule
     variants, which need no memset before each launch (in a CUDA graph each memset idled the GPU before its GEMM) and
     never split K by the batch's size. Eager calls pay for it on the host, hence graphs only. A
     value set before stands."""
     if device.type == "cuda" and cuda_graphs:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":0:0")
+        os.environ.setdefault(CUBLAS_ENV, ":0:0")
+
+
+def cublas_workspace() -> str | None:
+    """The cuBLAS workspace this process runs with (gpu_settings' or the user's), for the boot log."""
+    return os.environ.get(CUBLAS_ENV)
 
 
 def _version(module: str) -> str | None:

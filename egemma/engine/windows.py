@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import numpy as np
 
-LONG_TEXT = ("truncate", "error", "chunk")  # what a text over the model's length gets: cut, refused, windowed
-
 
 class WindowError(ValueError):
     """A request whose windows cannot be made (the prompt fills a window, an overlap as long as one)."""

@@ -60,6 +60,7 @@ from egemma.gateway.common import DEFAULT_MAX_BODY, GW, Gateway, error_response,
 from egemma.gateway.errors import GatewayError, Kind, from_exception, protocol
 from egemma.gateway.fastlane import Lanes
 from egemma.gateway.upstream import Upstream
+from egemma.spec import HUB_ID
 
 REQUEST_HEADERS = ("Content-Type", "Inference-Header-Content-Length", "admin-key", "Accept-Encoding")
 RESPONSE_HEADERS = ("Content-Type", "Inference-Header-Content-Length", "Content-Encoding")
@@ -199,7 +200,7 @@ def parser() -> argparse.ArgumentParser:  # the launcher passes these; docs/conf
     ap.add_argument("--triton-grpc", required=True, help="host:port of Triton's gRPC")
     ap.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_BODY)
     ap.add_argument("--workers", type=int, default=1, help="processes serving the same sockets")
-    ap.add_argument("--model-name", default="google/embeddinggemma-300m", help="served name for OpenAI / TEI")
+    ap.add_argument("--model-name", default=HUB_ID, help="served name for OpenAI / TEI")
     ap.add_argument("--alias", action="append", default=[], help="another accepted model name (repeatable)")
     ap.add_argument("--health-file", help="the watchdog's verdict file (egemma.gateway.health)")
     ap.add_argument("--triton-metrics", help="host:port of Triton's metrics, passed through at GET /metrics")

@@ -7,7 +7,6 @@ import asyncio
 from dataclasses import dataclass
 
 import numpy as np
-import orjson
 import tritonclient.grpc as grpcclient
 from aiohttp import web
 from tritonclient.utils import InferenceServerException
@@ -16,14 +15,14 @@ from egemma.engine.ids import complete
 from egemma.gateway import retry
 from egemma.gateway.common import GW
 from egemma.gateway.errors import GatewayError, Kind
+from egemma.spec import (EMBEDDING, ENCODER, ENSEMBLE, INPUT_IDS, NUM_TOKENS, OPTIONS, SEQ_LEN, TEXT, TOKENIZER,
+                         OptionError, RequestOptions, to_tensor)
 from egemma.stub.adapter import triton_params
-from egemma.stub.options import OptionError, RequestOptions, to_tensor
 
-ENSEMBLE, ENCODER, TOKENIZER = "embeddinggemma", "embeddinggemma_encoder", "embeddinggemma_tokenizer"
 MAX_INPUTS = 2048  # inputs per HTTP request (OpenAI's own limit); the gateway splits them into calls of max_batch
-_OUT_EMB = [grpcclient.InferRequestedOutput("EMBEDDING")]
-_OUT_EMB_TOK = [*_OUT_EMB, grpcclient.InferRequestedOutput("NUM_TOKENS")]
-_OUT_IDS = [grpcclient.InferRequestedOutput("INPUT_IDS"), grpcclient.InferRequestedOutput("SEQ_LEN")]
+_OUT_EMB = [grpcclient.InferRequestedOutput(EMBEDDING)]
+_OUT_EMB_TOK = [*_OUT_EMB, grpcclient.InferRequestedOutput(NUM_TOKENS)]
+_OUT_IDS = [grpcclient.InferRequestedOutput(INPUT_IDS), grpcclient.InferRequestedOutput(SEQ_LEN)]
 
 
 # a failed Triton call: the request at fault, no server or model now, a full queue; anything else is Triton's
@@ -58,8 +57,12 @@ async def gather(*aws) -> list:
 
 
 def _text_input(texts: list[str]):
-    t = grpcclient.InferInput("TEXT", [len(texts), 1], "BYTES")
-    t.set_data_from_numpy(np.array([[s.encode()] for s in texts], dtype=np.object_))
+    return _input(TEXT, np.array([[s.encode()] for s in texts], dtype=np.object_), "BYTES")
+
+
+def _input(name: str, a: np.ndarray, dtype: str = "INT32"):
+    t = grpcclient.InferInput(name, list(a.shape), dtype)
+    t.set_data_from_numpy(a)
     return t
 
 
@@ -68,7 +71,7 @@ async def embed_texts(gw, texts: list[str], params: dict) -> tuple[np.ndarray, n
     gw.max_batch go out as several calls at once."""
     async def one(a, b):
         r = await _infer(gw, ENSEMBLE, [_text_input(texts[a:b])], _OUT_EMB_TOK, params)
-        return r.as_numpy("EMBEDDING"), r.as_numpy("NUM_TOKENS").reshape(-1)
+        return r.as_numpy(EMBEDDING), r.as_numpy(NUM_TOKENS).reshape(-1)
     if len(texts) <= gw.max_batch:  # the common request: one call, no gather
         emb, ntok = await one(0, len(texts))
     else:
@@ -81,21 +84,17 @@ async def embed_texts(gw, texts: list[str], params: dict) -> tuple[np.ndarray, n
 
 async def embed_ids(gw, rows: list[np.ndarray], params: dict) -> np.ndarray:
     """Embeddings [n, D] of complete id sequences (specials already in place; with long_text=chunk each row one
-    input's windows: complete_ids), through the encoder model."""
+    input's windows: embed_id_lists), through the encoder model."""
     opts = request_options(params)
     async def one(a, b):
         lens = np.array([[len(r)] for r in rows[a:b]], dtype=np.int32)
         ids = np.zeros((b - a, int(lens.max())), dtype=np.int32)  # padding past SEQ_LEN is never read
         for j, r in enumerate(rows[a:b]):
             ids[j, :len(r)] = r
-        i = grpcclient.InferInput("INPUT_IDS", list(ids.shape), "INT32")
-        i.set_data_from_numpy(ids)
-        s = grpcclient.InferInput("SEQ_LEN", list(lens.shape), "INT32")
-        s.set_data_from_numpy(lens)
-        # the options as the tokenizer passes them on (egemma.stub.options.to_tensor): the response cache keys on it
-        o = grpcclient.InferInput("OPTIONS", [b - a, 3], "INT32")
-        o.set_data_from_numpy(to_tensor(opts, b - a))
-        return (await _infer(gw, ENCODER, [i, s, o], _OUT_EMB, params)).as_numpy("EMBEDDING")
+        # OPTIONS as the tokenizer passes them on (the one encoding, egemma.spec.to_tensor): the response cache keys
+        # on it
+        inputs = [_input(INPUT_IDS, ids), _input(SEQ_LEN, lens), _input(OPTIONS, to_tensor(opts, b - a))]
+        return (await _infer(gw, ENCODER, inputs, _OUT_EMB, params)).as_numpy(EMBEDDING)
     if gw.tracing is not None:
         gw.tracing.note(**{"egemma.model": gw.model_name, "egemma.texts": len(rows),
                            "egemma.tokens": sum(len(r) for r in rows)})
@@ -106,32 +105,34 @@ async def tokenize(gw, texts: list[str], params: dict) -> list[np.ndarray]:
     """The ids the ensemble embeds for each text (BOS, prompt, text, EOS; truncated), from the tokenizer model."""
     async def one(a, b):
         r = await _infer(gw, TOKENIZER, [_text_input(texts[a:b])], _OUT_IDS, params)
-        ids, lens = r.as_numpy("INPUT_IDS"), r.as_numpy("SEQ_LEN").reshape(-1)
+        ids, lens = r.as_numpy(INPUT_IDS), r.as_numpy(SEQ_LEN).reshape(-1)
         return [ids[j, :n] for j, n in enumerate(lens.tolist())]
     return [r for part in await gather(*(one(a, b) for a, b in _chunks(len(texts), gw.max_batch)))
             for r in part]
 
 
 def request_options(params: dict) -> RequestOptions:
-    """The request options as the models parse them (egemma.stub.options), for the gateway's own use of them;
-    GatewayError(VALIDATION) for a bad one."""
+    """The request options as the models parse them (egemma.spec, the one parser), for the gateway's own use of
+    them; GatewayError(VALIDATION) for a bad one."""
     try:
-        return RequestOptions.parse(orjson.dumps(params).decode())
+        return RequestOptions.of(params)
     except OptionError as e:
         raise GatewayError(Kind.VALIDATION, str(e)) from None
 
 
-def complete_ids(rows: list[list[int]], facts: "Facts", params: dict) -> list[np.ndarray]:
-    """Clients' token id lists as the encoder gets them (egemma.engine.ids.complete, the id rule; long_text=chunk:
-    each one's windows). ValueError naming the input for an id outside the vocabulary, an over-long input with
-    long_text=error (truncate=false), or windows that cannot be made."""
-    opts, out = request_options(params), []
+async def embed_id_lists(app, rows: list[list[int]], params: dict, field: str,
+                         prefix: str = "") -> tuple[np.ndarray, np.ndarray]:
+    """(embeddings [n, D] fp32, tokens embedded [n]) of clients' token id lists, completed as the encoder gets them
+    (egemma.engine.ids.complete, the id rule; long_text=chunk: each one's windows). GatewayError(VALIDATION) on
+    `field`, naming the input, for an id outside the vocabulary, an over-long input with long_text=error
+    (truncate=false), or windows that cannot be made."""
+    cfg, opts, seqs = (await facts(app)).cfg, request_options(params), []
     for j, ids in enumerate(rows):
         try:
-            out.append(complete(ids, facts.cfg, opts.long_text, opts.chunk_overlap))
+            seqs.append(complete(ids, cfg, opts.long_text, opts.chunk_overlap))
         except ValueError as e:
-            raise ValueError(f"input {j}: {e}") from None
-    return out
+            raise GatewayError(Kind.VALIDATION, f"{prefix}input {j}: {e}", field) from None
+    return await embed_ids(app[GW], seqs, params), np.array([len(s) for s in seqs])
 
 
 @dataclass(frozen=True)
@@ -154,7 +155,7 @@ def init(app: web.Application):
 
 async def facts(app: web.Application) -> Facts:
     """Read once per process, from the model configs as Triton loaded them, the paths the models use (from the
-    environment, as theirs: egemma.stub.adapter.PATH_ENV) and the checkpoint's own JSON files; retried on the next
+    environment, as theirs: egemma.stub.adapter.env_path) and the checkpoint's own JSON files; retried on the next
     request when Triton is not up yet."""
     st = app[_FACTS]
     if "facts" in st:

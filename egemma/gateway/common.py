@@ -11,7 +11,7 @@ from aiohttp import web
 from egemma.gateway import health
 from egemma.gateway.admission import read_body
 from egemma.gateway.errors import GatewayError, Kind, Protocol, headers, render
-from egemma.stub.options import OptionError, check
+from egemma.spec import HUB_ID, OptionError, check
 
 DEFAULT_MAX_BODY = 3 << 20  # under the 4 MiB at which Triton 2.51's HTTP crashes on the GPU host
 HEALTH_MAX_AGE = 15.0  # s: the watchdog writes a verdict every ~2-7 s; an older one vouches for nothing
@@ -22,7 +22,7 @@ class Gateway:
     grpc: object = field(default=None, init=False)  # tritonclient.grpc.aio.InferenceServerClient, made at startup
     triton_http: str  # host:port of Triton's own HTTP (loopback)
     triton_grpc: str  # host:port of Triton's gRPC, for `grpc`
-    model_name: str = "google/embeddinggemma-300m"  # served model name for OpenAI / TEI
+    model_name: str = HUB_ID  # served model name for OpenAI / TEI
     aliases: tuple[str, ...] = ()
     max_body: int = DEFAULT_MAX_BODY  # bytes
     max_batch: int = 64
@@ -94,7 +94,7 @@ def readiness(gw: Gateway) -> tuple[bool, str]:
 
 def options(body: dict, keys) -> dict:
     """The request options among keys that body gives (null: not given), for Triton's request parameters, each by
-    the options' one rule (egemma.stub.options.check); GatewayError(VALIDATION) naming the field otherwise."""
+    the options' one rule (egemma.spec.check); GatewayError(VALIDATION) naming the field otherwise."""
     out = {}
     for k in keys:
         if (v := body.get(k)) is None:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import base64
 import time
 
-import numpy as np
 from aiohttp import web
 
 from egemma.gateway import calls
@@ -86,29 +85,17 @@ async def embeddings(request: web.Request) -> web.Response:
         raise GatewayError(Kind.VALIDATION, f"user must be a string, got {body['user']!r}", "user")
     params = options(body, ("dimensions", "prompt_name", "prompt", "truncate", "long_text", "chunk_overlap"))
     kind, items = parse_input(body.get("input"))
-    if kind == "text":
-        emb, ntok = await calls.embed_texts(gw, items, params)
-    else:
-        emb, ntok = await _embed_ids(request.app, items, params)
+    if kind == "ids" and (prompt := next((k for k in ("prompt_name", "prompt") if k in params), None)):
+        raise GatewayError(Kind.VALIDATION, f"{prompt} applies to text input; with token ids, put the prompt's ids "
+                                            "first", prompt)
+    emb, ntok = await (calls.embed_texts(gw, items, params) if kind == "text" else
+                       calls.embed_id_lists(request.app, items, params, "input"))
     vecs = [base64.b64encode(e.astype("<f4").tobytes()).decode() for e in emb] if fmt == "base64" else emb
     tokens = int(ntok.sum())
     return json_response({
         "object": "list", "model": gw.model_name,
         "data": [{"object": "embedding", "index": k, "embedding": v} for k, v in enumerate(vecs)],
         "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
-
-
-async def _embed_ids(app, rows: list[list[int]], params: dict) -> tuple[np.ndarray, np.ndarray]:
-    for k in ("prompt_name", "prompt"):
-        if k in params:
-            raise GatewayError(Kind.VALIDATION, f"{k} applies to text input; with token ids, put the prompt's ids "
-                                                "first", k)
-    facts = await calls.facts(app)
-    try:
-        seqs = calls.complete_ids(rows, facts, params)
-    except ValueError as e:
-        raise GatewayError(Kind.VALIDATION, str(e), "input") from None
-    return await calls.embed_ids(app[GW], seqs, params), np.array([len(s) for s in seqs])
 
 
 def _model(gw, name: str, demo: bool) -> dict:

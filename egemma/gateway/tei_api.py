@@ -30,6 +30,7 @@ from egemma.gateway import metrics as gateway_metrics
 from egemma.gateway.common import GW, choice, json_response, options, read_json, readiness
 from egemma.gateway.errors import GatewayError, Kind
 from egemma.gateway.upstream import Upstream
+from egemma.spec import ENSEMBLE
 
 _VOCAB = web.AppKey("egemma_vocab", dict)
 
@@ -94,7 +95,8 @@ async def embed(request: web.Request) -> web.Response:
     try:
         parts = await calls.gather(
             calls.embed_texts(gw, [items[j] for j in text_at], text_params) if text_at else _none(),
-            _embed_ids(request.app, [items[j] for j in ids_at], text_params) if ids_at else _none())
+            calls.embed_id_lists(request.app, [items[j] for j in ids_at], text_params, "inputs", "token ids: ")
+            if ids_at else _none())
     except GatewayError as e:
         if left and truncate and e.kind is Kind.VALIDATION:  # maybe an input that needs cutting
             raise GatewayError(Kind.VALIDATION, f"{e}; truncation_direction=left is honoured only for inputs that "
@@ -110,14 +112,6 @@ async def embed(request: web.Request) -> web.Response:
 
 async def _none():
     return None
-
-
-async def _embed_ids(app, rows, params):
-    try:
-        seqs = calls.complete_ids(rows, await calls.facts(app), params)
-    except ValueError as e:
-        raise GatewayError(Kind.VALIDATION, f"token ids: {e}", "inputs") from None
-    return (await calls.embed_ids(app[GW], seqs, params),)
 
 
 async def embed_all(request: web.Request) -> web.Response:
@@ -176,7 +170,7 @@ async def health_route(request: web.Request) -> web.Response:
         ok, why = readiness(gw)
     else:
         try:
-            ok = await gw.grpc.is_model_ready(calls.ENSEMBLE)
+            ok = await gw.grpc.is_model_ready(ENSEMBLE)
         except Exception as e:  # any failure to ask is a failure to serve
             ok, why = False, f"Triton is not reachable: {e}"
         else:

@@ -8,6 +8,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from egemma.spec import ENCODER, TOKENIZER
+
 # Tokenizer instances: one per 4 usable cores, at most 4 per GPU served, at least 1: past that an instance only
 # adds a process, below it instances compete for the cores that tokenise (measured on one 16-core H200 host only:
 # perf/RESULTS.md; deploy/README.md, "Every GPU of a host").
@@ -19,7 +21,7 @@ TOKENIZERS_PER_GPU = 4
 # equal); TritonServer renders these.
 ENCODERS_PER_GPU = 3
 # Without a GPU each encoder instance is a CPU forward competing for the cores.
-CPU_INSTANCES = {"embeddinggemma_encoder": 1, "embeddinggemma_tokenizer": 2}
+CPU_INSTANCES = {ENCODER: 1, TOKENIZER: 2}
 
 
 def physical_gpus() -> int:
@@ -81,4 +83,4 @@ def default_instances(gpu_host: bool, cores: int, gpus: int) -> dict[str, int]:
     count for KIND_GPU) and the tokenizer's from the cores (tokenizer_instances)."""
     if not gpu_host:
         return dict(CPU_INSTANCES)
-    return {"embeddinggemma_encoder": ENCODERS_PER_GPU, "embeddinggemma_tokenizer": tokenizer_instances(cores, gpus)}
+    return {ENCODER: ENCODERS_PER_GPU, TOKENIZER: tokenizer_instances(cores, gpus)}

@@ -50,6 +50,7 @@ from egemma.ops.front import Front
 from egemma.ops.tritonserver import (ADMIN_APIS, ADMIN_HEADER, API_HEADER, HEARTBEATS, ServerConfig, TritonServer,
                                      free_port, gpu_host)
 from egemma.gateway import tracing
+from egemma.spec import EMBEDDING, ENCODER, ENSEMBLE, HUB_ID, TEXT, TOKENIZER
 from egemma.stub import budget
 from egemma.gateway.app import DEFAULT_MAX_BODY, read_key
 
@@ -78,8 +79,8 @@ def parser() -> argparse.ArgumentParser:
                    help="instance count of a model, e.g. embeddinggemma_encoder=2, per GPU for the encoder "
                         f"(repeatable; default: encoder {ENCODERS_PER_GPU} per GPU and tokenizer one per "
                         f"{CORES_PER_TOKENIZER} cores, at most {TOKENIZERS_PER_GPU} per GPU, on a GPU host; encoder "
-                        f"{CPU_INSTANCES['embeddinggemma_encoder']} / tokenizer "
-                        f"{CPU_INSTANCES['embeddinggemma_tokenizer']} without a GPU)")
+                        f"{CPU_INSTANCES[ENCODER]} / tokenizer "
+                        f"{CPU_INSTANCES[TOKENIZER]} without a GPU)")
     g.add_argument("--gpus", default="all", metavar="all|IDS", help="GPUs to place encoder instances on: 'all' visible ones (default; "
                                                  "none on a CPU host) or device ids such as 0,1")
     g.add_argument("--response-cache-mb", type=int, default=0, metavar="MB",
@@ -103,7 +104,7 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--triton-http-port", type=int, default=0, metavar="N",
                    help="Triton's own HTTP port, on 127.0.0.1 behind the gateway (default: a free one)")
     g = ap.add_argument_group("gateway (HTTP)")
-    g.add_argument("--served-model-name", default="google/embeddinggemma-300m", metavar="NAME",
+    g.add_argument("--served-model-name", default=HUB_ID, metavar="NAME",
                    help="the model name the OpenAI and TEI routes answer to and report")
     g.add_argument("--alias", action="append", default=[], metavar="NAME",
                    help="another model name the OpenAI route accepts (repeatable)")
@@ -250,7 +251,7 @@ def report(r: Running):
     demo_banner = "\n  DEMO    random weights: the embeddings mean nothing (docs/operations.md)" if r.demo else ""
     traces = f"\n  traces  to {a.otlp_endpoint} (sampled {a.otlp_sample_ratio:g})" if a.otlp_endpoint else ""
     print(f"""
-ready: model 'embeddinggemma' (checkpoint {r.checkpoint}){demo_banner}
+ready: model '{ENSEMBLE}' (checkpoint {r.checkpoint}){demo_banner}
   HTTP    http://{h}:{a.http_port}  (gateway: KServe v2, OpenAI, TEI; bodies up to {a.max_request_bytes} bytes)
   gRPC    {h}:{a.grpc_port}
   metrics http://{h}:{a.http_port}/metrics  (Triton's, port {a.metrics_port}, and the gateway's){traces}
@@ -262,12 +263,12 @@ ready: model 'embeddinggemma' (checkpoint {r.checkpoint}){demo_banner}
   cache   {a.cache_dir}
   openai  {f'http://{h}:{a.openai_port}/v1/embeddings' if a.openai_port else f'http://{h}:{a.http_port}/v1/embeddings'}
 
-  curl -s http://{h}:{a.http_port}/v2/models/embeddinggemma/infer -d \\
-    '{{"inputs":[{{"name":"TEXT","shape":[1,1],"datatype":"BYTES","data":["hello world"]}}]}}'
+  curl -s http://{h}:{a.http_port}/v2/models/{ENSEMBLE}/infer -d \\
+    '{{"inputs":[{{"name":"{TEXT}","shape":[1,1],"datatype":"BYTES","data":["hello world"]}}]}}'
 
   python -c "import numpy as np, tritonclient.grpc as g; c = g.InferenceServerClient('{h}:{a.grpc_port}'); \\
-i = g.InferInput('TEXT', [1, 1], 'BYTES'); i.set_data_from_numpy(np.array([[b'hello world']], dtype=object)); \\
-print(c.infer('embeddinggemma', [i]).as_numpy('EMBEDDING'))"
+i = g.InferInput('{TEXT}', [1, 1], 'BYTES'); i.set_data_from_numpy(np.array([[b'hello world']], dtype=object)); \\
+print(c.infer('{ENSEMBLE}', [i]).as_numpy('{EMBEDDING}'))"
 """, flush=True)
 
 

@@ -12,13 +12,13 @@ import sys
 from pathlib import Path
 
 from egemma.engine.config import DEMO_MARKER
-from egemma.stub.adapter import PATH_ENV
+from egemma.spec import ENCODER, HUB_ID, PATH_ENV
+from egemma.stub.adapter import env_path
 
 ROOT = Path(__file__).resolve().parents[2]
 REPO = ROOT / "model_repository"
 DEMO = ROOT / ".cache" / "demo-checkpoint"
-HUB_MODEL = "google/embeddinggemma-300m"
-HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 # instance_group [ { count: N kind: KIND_X } ] or, placed, [ { count: N kind: KIND_GPU gpus: [ 0, 1 ] } ]
 INSTANCE_GROUP = re.compile(r"instance_group \[ \{ count: (\d+) kind: (KIND_\w+)(?: gpus: \[ ([\d, ]*) \])? \} \]")
 
@@ -58,28 +58,28 @@ def resolve_checkpoint(model: str | None) -> Path:
     (a hub error is then fatal). Neither given: google/embeddinggemma-300m from the HF cache/hub, fatal too when
     a hub token is given (the user meant the hub), else on failure (loudly) a generated demo checkpoint with
     random weights so the server always comes up."""
-    for cand in (model, os.environ.get("EMBEDDINGGEMMA_PATH")):
+    for cand in (model, env_path("checkpoint")):
         if cand:
             if Path(cand).expanduser().is_dir():
                 return Path(cand).expanduser().resolve()
-            if HUB_ID.match(cand):
+            if HUB_NAME.match(cand):
                 return hub_snapshot(cand)
-            raise SystemExit(f"checkpoint directory {cand} does not exist (nor is it a hub id such as {HUB_MODEL})")
+            raise SystemExit(f"checkpoint directory {cand} does not exist (nor is it a hub id such as {HUB_ID})")
     if hub_token_given():
-        return hub_snapshot(HUB_MODEL)
+        return hub_snapshot(HUB_ID)
     try:
         from huggingface_hub import snapshot_download
-        return Path(snapshot_download(HUB_MODEL))
+        return Path(snapshot_download(HUB_ID))
     except Exception as e:  # offline, gated, not logged in: all end in the demo checkpoint
         why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-    print(f"\n*** WARNING: {HUB_MODEL} is not available ({why}).\n"
+    print(f"\n*** WARNING: {HUB_ID} is not available ({why}).\n"
           f"*** Serving a DEMO checkpoint with RANDOM weights from {DEMO}; its embeddings mean nothing.\n"
           f"*** {GET_REAL}\n", file=sys.stderr)
     return demo_checkpoint()
 
 
-GET_REAL = (f"For real embeddings: `huggingface-cli download {HUB_MODEL}` (a gated model: accept its license on "
-            f"https://huggingface.co/{HUB_MODEL} and `huggingface-cli login` or set HF_TOKEN first), or pass --model "
+GET_REAL = (f"For real embeddings: `huggingface-cli download {HUB_ID}` (a gated model: accept its license on "
+            f"https://huggingface.co/{HUB_ID} and `huggingface-cli login` or set HF_TOKEN first), or pass --model "
             "DIR (or set EMBEDDINGGEMMA_PATH=DIR) for a local copy.")
 
 
@@ -108,14 +108,14 @@ def instance_group(count: int, kind: str, gpus: list[int] | None = None) -> str:
 
 
 def path_env(checkpoint: Path, run_dir: Path) -> dict[str, str]:
-    """The paths the models (and the gateway) read, as environment variables (egemma.stub.adapter.PATH_ENV): the
+    """The paths the models (and the gateway) read, as environment variables (egemma.spec.PATH_ENV): the
     checkpoint and the tokenizer file the server writes into run_dir. Kept out of the rendered configs, which
     Triton serves to any client."""
     return {PATH_ENV["checkpoint"]: str(checkpoint),
             PATH_ENV["tokenizer_json"]: str(Path(run_dir) / "tokenizer.json")}
 
 
-CACHED = "embeddinggemma_encoder"  # the model whose answers Triton's response cache keeps (--response-cache-mb)
+CACHED = ENCODER  # the model whose answers Triton's response cache keeps (--response-cache-mb)
 CACHE_OFF, CACHE_ON = "response_cache { enable: false }", "response_cache { enable: true }"
 
 

@@ -37,6 +37,7 @@ from typing import Callable
 
 from egemma.ops.procfs import cpu_seconds, stopped, stub_pids
 from egemma.gateway import health
+from egemma.spec import EMBEDDING, ENSEMBLE, TEXT
 from egemma.stub.instance import read_heartbeats
 
 TIMED_OUT = "canary timed out"
@@ -44,11 +45,11 @@ IDLE_CPU = 0.05  # of a core: a stub in execute using less is blocked (Python wa
 TOKENS_PER_MAX_BUSY = 64 * 2048  # ~25 s on two cores: one execute of more tokens may take max_busy x its share
 
 
-def canary(http_url: str, model: str = "embeddinggemma", timeout: float = 5.0,
+def canary(http_url: str, model: str = ENSEMBLE, timeout: float = 5.0,
            api_key: str | None = None) -> str | None:
     """None if one short text embeds to a finite, non-empty vector within timeout, else why not. api_key: the
     server's (egemma.ops.tritonserver.API_HEADER), where inference needs one."""
-    body = json.dumps({"inputs": [{"name": "TEXT", "shape": [1, 1], "datatype": "BYTES",
+    body = json.dumps({"inputs": [{"name": TEXT, "shape": [1, 1], "datatype": "BYTES",
                                    "data": ["watchdog canary"]}]}).encode()
     req = urllib.request.Request(f"http://{http_url}/v2/models/{model}/infer", data=body,
                                  headers={"Content-Type": "application/json",
@@ -56,7 +57,7 @@ def canary(http_url: str, model: str = "embeddinggemma", timeout: float = 5.0,
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             out = {o["name"]: o for o in json.load(r)["outputs"]}
-        data = out["EMBEDDING"]["data"]
+        data = out[EMBEDDING]["data"]
         if not data or not all(math.isfinite(v) for v in data):
             return "canary embedding is empty or not finite"
         return None

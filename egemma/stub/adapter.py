@@ -13,7 +13,7 @@ from egemma.engine import boot
 from egemma.engine.config import CheckpointError
 from egemma.engine.tokenizer import PromptError
 from egemma.engine.windows import WindowError
-from egemma.stub.options import OptionError
+from egemma.spec import PATH_ENV, OptionError
 
 log = logging.getLogger("egemma")
 CLIENT_ERRORS = (OptionError, PromptError, WindowError)  # the request is at fault: INVALID_ARG with the message
@@ -33,10 +33,10 @@ def boot_phases(engine):
     boot.phase("capture", end=end)
 
 
-# Path parameters and the environment variable each is read from where the config leaves it empty: the launcher
-# passes paths this way, never in config.pbtxt, whose text Triton serves to anyone (/v2/models/X/config, gRPC's
-# ModelConfig). The gateway reads the same variables (egemma.gateway.calls.facts).
-PATH_ENV = {"checkpoint": "EMBEDDINGGEMMA_PATH", "tokenizer_json": "EGEMMA_TOKENIZER_JSON"}
+def env_path(name: str) -> str:
+    """A path parameter's environment variable (egemma.spec.PATH_ENV), "" where unset: the one reader of them, for
+    the models, the gateway (egemma.gateway.calls.facts) and the launcher's --model default."""
+    return os.environ.get(PATH_ENV[name], "")
 
 
 def triton_params(model_config: str | dict) -> tuple[str, dict[str, str]]:
@@ -45,9 +45,9 @@ def triton_params(model_config: str | dict) -> tuple[str, dict[str, str]]:
     taken from its PATH_ENV variable."""
     cfg = json.loads(model_config) if isinstance(model_config, str) else model_config
     params = {k: v.get("string_value", "") for k, v in cfg.get("parameters", {}).items()}
-    for k, env in PATH_ENV.items():
+    for k in PATH_ENV:
         if (k == "checkpoint" or k in params) and not params.get(k):
-            params[k] = os.environ.get(env, "")
+            params[k] = env_path(k)
     ckpt = params.pop("checkpoint")
     if not ckpt:
         raise CheckpointError(f"model {cfg.get('name')}: no checkpoint: set the 'checkpoint' parameter in its "

@@ -17,8 +17,9 @@ from egemma.engine.windows import combine, split
 from egemma.stub import budget
 from egemma.stub.instance import Heartbeat, instance_device
 from egemma.stub.metrics import STUB_FAMILIES, Counters, instance_stats
-from egemma.stub.options import (OptionError, RequestOptions, allowed_dimensions, check_dimensions, from_tensor,
-                                 shape_output)
+from egemma.spec import (CHUNK_EMBEDDING, CHUNK_OF, INPUT_IDS, OPTIONS, SEQ_LEN, OptionError, RequestOptions,
+                         from_tensor)
+from egemma.stub.options import allowed_dimensions, check_dimensions, shape_output
 from egemma.stub.adapter import Adapter, boot_phases, setup_logging, triton_params
 
 
@@ -59,18 +60,18 @@ class TritonPythonModel:
         # 106-110: the CPU A/B of 56014ee)
         opts = RequestOptions.parse(req.parameters())
         t = {x.name(): x for x in req.inputs()}
-        if "OPTIONS" in t:
-            opts = from_tensor(opts, t["OPTIONS"].as_numpy())
+        if OPTIONS in t:
+            opts = from_tensor(opts, t[OPTIONS].as_numpy())
         elif self.needs_options:
             raise OptionError("this server caches responses (keyed on the inputs, never the parameters): send the "
                               "OPTIONS input, INT32 [rows, 2 or 3] of (dimensions or 0, encoding 0 float / 1 "
                               "ubinary / 2 binary[, chunks 0 / 1 long_text=chunk / 2 with return_chunks])")
         check_dimensions(opts, self.dims)
-        ids = t["INPUT_IDS"].as_numpy()
+        ids = t[INPUT_IDS].as_numpy()
         if ids.ndim != 2:
             raise OptionError(f"INPUT_IDS must be [batch, tokens], got shape {list(ids.shape)}")
         rows, width = ids.shape
-        lens = t["SEQ_LEN"].as_numpy().reshape(-1).tolist() if "SEQ_LEN" in t else [width] * rows
+        lens = t[SEQ_LEN].as_numpy().reshape(-1).tolist() if SEQ_LEN in t else [width] * rows
         if len(lens) != rows:
             raise OptionError(f"SEQ_LEN has {len(lens)} rows, INPUT_IDS {rows}")
         if lens and not (1 <= min(lens) and max(lens) <= width):
@@ -111,8 +112,8 @@ class TritonPythonModel:
             out = dict([shape_output(self.engine.finish(combine(x[a:b], [len(s) for s in seqs[a:b]], counts)), opts)])
         if opts.return_chunks:
             counts = counts or [1] * (b - a)
-            out["CHUNK_EMBEDDING"] = shape_output(emb[a:b], opts)[1]
-            out["CHUNK_OF"] = np.repeat(np.arange(len(counts), dtype=np.int32), counts)[:, None]
+            out[CHUNK_EMBEDDING] = shape_output(emb[a:b], opts)[1]
+            out[CHUNK_OF] = np.repeat(np.arange(len(counts), dtype=np.int32), counts)[:, None]
         return self.a.outputs(out)
 
     def execute(self, requests):

@@ -16,7 +16,8 @@ from egemma.engine.windows import cut
 from egemma.stub import budget
 from egemma.stub.instance import Heartbeat
 from egemma.stub.metrics import STUB_FAMILIES, Counters, instance_stats
-from egemma.stub.options import OptionError, RequestOptions, allowed_dimensions, check_dimensions, to_tensor
+from egemma.spec import CHUNK_SPAN, INPUT_IDS, OPTIONS, SEQ_LEN, TEXT, OptionError, RequestOptions, to_tensor
+from egemma.stub.options import allowed_dimensions, check_dimensions
 from egemma.stub.adapter import Adapter, setup_logging, triton_params
 
 
@@ -53,7 +54,7 @@ class TritonPythonModel:
             raise OptionError(f"the prompt has {n_prefix} bytes, over this server's max_text_bytes "
                               f"({self.max_text_bytes}, prompt and text together)")
         out = []
-        for j, t in enumerate(pb_utils.get_input_tensor_by_name(req, "TEXT").as_numpy().reshape(-1)):
+        for j, t in enumerate(pb_utils.get_input_tensor_by_name(req, TEXT).as_numpy().reshape(-1)):
             raw = t if isinstance(t, bytes) else str(t).encode()
             if len(raw) + n_prefix > self.max_text_bytes:
                 with_prompt = f" + a {n_prefix}-byte prompt" if n_prefix else ""
@@ -127,8 +128,8 @@ class TritonPythonModel:
             ids = np.full((len(rows), int(lens.max(initial=1))), self.cfg.pad_id, dtype=np.int32)
             for j, r in enumerate(rows):
                 ids[j, :len(r)] = r
-        out = {"INPUT_IDS": ids, "SEQ_LEN": lens[:, None], "OPTIONS": to_tensor(opts, len(rows))}
-        return self.a.outputs(out if spans is None else {**out, "CHUNK_SPAN": spans})
+        out = {INPUT_IDS: ids, SEQ_LEN: lens[:, None], OPTIONS: to_tensor(opts, len(rows))}
+        return self.a.outputs(out if spans is None else {**out, CHUNK_SPAN: spans})
 
     def execute(self, requests):
         with self.beat:  # start/end stamps: the watchdog sees a hung or spinning instance (egemma.stub.instance)
