@@ -82,10 +82,9 @@ async def embed_texts(gw, texts: list[str], params: dict) -> tuple[np.ndarray, n
     return emb, ntok
 
 
-async def embed_ids(gw, rows: list[np.ndarray], params: dict) -> np.ndarray:
+async def embed_ids(gw, rows: list[np.ndarray], params: dict, opts: RequestOptions) -> np.ndarray:
     """Embeddings [n, D] of complete id sequences (specials already in place; with long_text=chunk each row one
-    input's windows: embed_id_lists), through the encoder model."""
-    opts = request_options(params)
+    input's windows: embed_id_lists), through the encoder model; opts: params as the models parse them."""
     async def one(a, b):
         lens = np.array([[len(r)] for r in rows[a:b]], dtype=np.int32)
         ids = np.zeros((b - a, int(lens.max())), dtype=np.int32)  # padding past SEQ_LEN is never read
@@ -132,7 +131,7 @@ async def embed_id_lists(app, rows: list[list[int]], params: dict, field: str,
             seqs.append(complete(ids, cfg, opts.long_text, opts.chunk_overlap))
         except ValueError as e:
             raise GatewayError(Kind.VALIDATION, f"{prefix}input {j}: {e}", field) from None
-    return await embed_ids(app[GW], seqs, params), np.array([len(s) for s in seqs])
+    return await embed_ids(app[GW], seqs, params, opts), np.array([len(s) for s in seqs])
 
 
 @dataclass(frozen=True)
