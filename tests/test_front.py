@@ -22,7 +22,7 @@ from tritonclient.utils import InferenceServerException
 
 from egemma.ops.procfs import children, group, kill_group, rss_kb, stub_pids
 from egemma.ops.tritonserver import free_port
-from egemma.gateway import health
+from egemma.gateway import common
 from egemma.gateway.app import DEFAULT_MAX_BODY
 from helpers import GOOD, ROOT, assert_clean_error, assert_close, text_input, wait_for
 from rawhttp import CRASHERS, INFER, VIA_AIOHTTP, binary_request, bytes_element, read_response, request, start_front
@@ -203,7 +203,7 @@ def test_tritonclient_http_works_unchanged_through_the_front(front, server, good
             r = c.infer("embeddinggemma", [i], outputs=[out], request_compression_algorithm=comp,
                         response_compression_algorithm=comp, parameters={"truncate": True})
             assert_close(r.as_numpy("EMBEDDING"), good_ref)
-    health.write(front.health_file, True)  # the verdict the watchdog would write
+    common.write_verdict(front.health_file, True)  # the verdict the watchdog would write
     assert c.is_server_live() and c.is_server_ready() and c.is_model_ready("embeddinggemma")
     assert c.get_model_metadata("embeddinggemma")["inputs"][0]["name"] == "TEXT"
     assert c.get_model_config("embeddinggemma")["max_batch_size"] == 64
@@ -220,10 +220,10 @@ def test_tritonclient_http_works_unchanged_through_the_front(front, server, good
 @pytest.mark.usefixtures("still_serving")
 def test_liveness_and_readiness_follow_the_watchdog_verdict(front):
     url = f"http://127.0.0.1:{front.port}/v2/health"
-    health.write(front.health_file, True)
+    common.write_verdict(front.health_file, True)
     assert requests.get(f"{url}/live", timeout=10).status_code == 200
     assert requests.get(f"{url}/ready", timeout=10).status_code == 200
-    health.write(front.health_file, False, "1 of 2 Python backend stubs died")
+    common.write_verdict(front.health_file, False, "1 of 2 Python backend stubs died")
     for route in ("live", "ready"):  # Triton's own would still say 200
         r = requests.get(f"{url}/{route}", timeout=10)
         assert r.status_code == 503 and "stubs died" in r.json()["why"], r.text

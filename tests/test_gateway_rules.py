@@ -8,11 +8,10 @@ import pytest
 
 from egemma.gateway.admission import MAX_JSON_DEPTH, admit, check_kserve, json_depth, needs_key
 from egemma.gateway.app import read_key
-from egemma.gateway.common import Gateway, options
+from egemma.gateway.common import Gateway
 from egemma.gateway.errors import STATUS, GatewayError, Kind, Protocol, from_exception, protocol, raw, render
 from egemma.gateway.fastlane import parse_head
-from egemma.gateway.openai_api import parse_input
-from egemma.gateway.tei_api import _inputs
+from egemma.gateway.protocol import openai_input, options, tei_inputs
 from egemma.gateway.upstream import UpstreamError
 
 INFER = "/v2/models/embeddinggemma/infer"
@@ -215,9 +214,9 @@ def test_failures_to_reach_triton():
 
 
 def test_openai_input_rules():
-    assert parse_input("hi") == ("text", ["hi"])
-    assert parse_input([1, 2]) == ("ids", [[1, 2]])  # a flat list of ids is one input
-    assert parse_input([[1] * 3000]) == ("ids", [[1] * 3000])  # lists of ids are cut later, as text
+    assert openai_input("hi") == ["hi"]
+    assert openai_input([1, 2]) == [[1, 2]]  # a flat list of ids is one input
+    assert openai_input([[1] * 3000]) == [[1] * 3000]  # lists of ids are cut later, as text
     for x, kind, fragment in [
         ([1] * 2049, Kind.VALIDATION, "one list of 2049 token ids"),
         (["a"] * 2049, Kind.VALIDATION, "2049 inputs"),
@@ -229,22 +228,22 @@ def test_openai_input_rules():
         ({"a": 1}, Kind.VALIDATION, "input must be"),
     ]:
         with pytest.raises(GatewayError, match=fragment) as e:
-            parse_input(x)
+            openai_input(x)
         assert e.value.kind is kind and e.value.param == "input"
 
 
 def test_tei_input_rules():
-    assert _inputs("hi", ids_ok=True) == ["hi"] and _inputs([5, 6], ids_ok=True) == [[5, 6]]
+    assert tei_inputs("hi", ids_ok=True) == ["hi"] and tei_inputs([5, 6], ids_ok=True) == [[5, 6]]
     for x, ids_ok, kind in [("", True, Kind.EMPTY), (["a", ""], False, Kind.EMPTY), ([], True, Kind.EMPTY),
                             ([[]], True, Kind.EMPTY), ([5, 6], False, Kind.VALIDATION),
                             ({"a": 1}, True, Kind.VALIDATION)]:
-        assert kind_of(_inputs, x, ids_ok) is kind, x
+        assert kind_of(tei_inputs, x, ids_ok) is kind, x
 
 
 def test_options_are_checked_before_they_reach_triton():
     """tritonclient refuses a parameter of another type without a gRPC status: a client's mistake, so checked here."""
     assert options({"prompt_name": "query", "truncate": False, "dimensions": None}, ("prompt_name", "truncate",
-                                                                                      "dimensions")) == \
+                                                                                      "dimensions"))[0] == \
         {"prompt_name": "query", "truncate": False}
     for k, v in [("prompt_name", {}), ("prompt", ["x"]), ("truncate", {}), ("truncate", 1), ("dimensions", True),
                  ("dimensions", "32")]:

@@ -1,6 +1,6 @@
 """Truthful health: every model instance stamps its executes (egemma.stub.instance), so the watchdog finds one
 hung or spinning instance among several while the others keep answering its canary, and restarts the server;
-its verdict file (egemma.gateway.health, what the liveness probe reads) says serving, restarting, or why not, and
+its verdict file (egemma.gateway.common, what the liveness probe reads) says serving, restarting, or why not, and
 ages when the watchdog stops checking. Real tritonservers on tests/spin_repository with 2 instances."""
 import os
 import queue
@@ -11,7 +11,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from egemma.gateway import health
+from egemma.gateway import common
 from egemma.stub.instance import Heartbeat, read_heartbeats
 from helpers import ROOT, text_input, wait_for
 
@@ -56,7 +56,7 @@ def _stuck_one_of_two(wd, text):
     (seconds from sending to noticing, the reason)."""
     from egemma.ops.watchdog import canary
     assert canary(wd.server.http_url) is None
-    assert health.read(wd.health_file, 10) == (True, "serving")
+    assert common.read_verdict(wd.health_file, 10) == (True, "serving")
     done = queue.Queue()
     grpcclient.InferenceServerClient(wd.server.grpc_url).async_infer(
         "embeddinggemma", [text_input([text])], client_timeout=60, callback=lambda result, error: done.put(error))
@@ -71,7 +71,7 @@ def _stuck_one_of_two(wd, text):
     assert wd.busy == 0, "no canary of the watchdog's timed out: the other instance answered them all"
     assert isinstance(done.get(timeout=30), InferenceServerException)  # the stuck request ends, with an error
     assert took is not None and canary(wd.server.http_url) is None
-    wait_for(lambda: health.read(wd.health_file, 10) == (True, "serving"), 10, "a good verdict after the restart")
+    wait_for(lambda: common.read_verdict(wd.health_file, 10) == (True, "serving"), 10, "a good verdict after the restart")
     print(f"{text!r} in one of two instances: noticed after {noticed - sent:.1f}s ({why}), serving again after "
           f"{took:.1f}s")
     return noticed - sent, why
@@ -108,12 +108,12 @@ def test_the_verdict_reports_failing_restarts_and_ages_when_the_watchdog_stops(t
     f = tmp_path / "verdict.json"
     wd = Watchdog(start, interval=0.5, health_file=f).start()
     try:
-        wait_for(lambda: health.read(f, 2) == (True, "serving"), 10, "a fresh good verdict")
+        wait_for(lambda: common.read_verdict(f, 2) == (True, "serving"), 10, "a fresh good verdict")
         os.killpg(wd.server.proc.pid, signal.SIGKILL)
         wait_for(lambda: len(calls) >= 3, 30, "restarts to be tried again")
-        ok, why = health.read(f, 5)
+        ok, why = common.read_verdict(f, 5)
         assert not ok and ("restart failed: RuntimeError: no GPU left" in why or "no server" in why), why
     finally:
         wd.stop()
-    wait_for(lambda: "old" in health.read(f, 1.0)[1], 10, "the verdict to age")
-    assert health.read(f, 1.0)[0] is False
+    wait_for(lambda: "old" in common.read_verdict(f, 1.0)[1], 10, "the verdict to age")
+    assert common.read_verdict(f, 1.0)[0] is False

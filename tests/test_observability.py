@@ -77,14 +77,14 @@ class Load:
 @pytest.fixture(scope="module")
 def scraped(server, tmp_path_factory):
     """(Prometheus scraping the gateway before `server` while load runs, the gateway, the verdict file)."""
-    from egemma.gateway import health
+    from egemma.gateway import common
     d = tmp_path_factory.mktemp("observability")
     verdict, beat = d / "health.json", threading.Event()
-    health.write(verdict, True)
+    common.write_verdict(verdict, True)
 
     def watchdog():  # the launcher's watchdog writes its verdict every few seconds: so does this stand-in
         while not beat.wait(2):
-            health.write(verdict, True, restarts=int(restarted.is_set()))
+            common.write_verdict(verdict, True, restarts=int(restarted.is_set()))
     restarted = threading.Event()
     threading.Thread(target=watchdog, daemon=True).start()
     gw = start_front(server, d / "gateway.log", "--workers=2", f"--triton-metrics={server.host}:{server.metrics_port}",

@@ -168,7 +168,7 @@ def test_health_from_the_watchdog_verdict_and_triton_down(tmp_path):
     has passed."""
     from egemma.ops.front import Front
     from egemma.ops.tritonserver import free_port
-    from egemma.gateway import health
+    from egemma.gateway import common
     port, verdict = free_port(), tmp_path / "health.json"
     dead = f"127.0.0.1:{free_port()}"
     url = f"http://127.0.0.1:{port}"
@@ -178,9 +178,9 @@ def test_health_from_the_watchdog_verdict_and_triton_down(tmp_path):
         r = requests.get(f"{url}/health", timeout=10)
         assert r.status_code == 503 and r.json() == {"error": "unhealthy: no watchdog verdict yet",
                                                      "error_type": "Unhealthy"}
-        health.write(verdict, True)
+        common.write_verdict(verdict, True)
         assert requests.get(f"{url}/health", timeout=10).status_code == 200
-        health.write(verdict, False, "restarting: a stub died")
+        common.write_verdict(verdict, False, "restarting: a stub died")
         assert "a stub died" in requests.get(f"{url}/health", timeout=10).json()["error"]
         r = requests.post(f"{url}/embed", json={"inputs": "x"}, timeout=30)
         assert r.status_code == 503 and r.json()["error_type"] == "Unhealthy", r.text

@@ -7,6 +7,6 @@ __all__ = ["Engine", "EngineConfig"]
 
 def __getattr__(name):  # lazily: egemma.engine.config alone (the HTTP gateway reads it) must not import torch
     if name in __all__:
-        from egemma.engine import engine
-        return getattr(engine, name)
+        from egemma.engine import config, engine
+        return getattr(engine if name == "Engine" else config, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

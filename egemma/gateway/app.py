@@ -23,7 +23,7 @@ within --idle-timeout (also mid-headers) is closed, as is one whose body is not 
 over --max-connections per worker a new one gets a 503. Everything else, in both directions, passes unchanged
 (Content-Type, Inference-Header-Content-Length, admin-key, Accept-Encoding; Triton enforces the admin key), so
 tritonclient.http (JSON and binary tensors), curl and perf_analyzer work as against Triton itself.
-/v2/health/live is the watchdog's verdict (egemma.gateway.health) when --health-file is given (Triton's own stays
+/v2/health/live is the watchdog's verdict (egemma.gateway.common) when --health-file is given (Triton's own stays
 200 after a model process died); /v2/health/ready needs that verdict and Triton's ready. --workers K runs K
 processes on the same sockets (one process group; SIGTERM drains each). SIGUSR1 (the launcher's first step of a
 stop) starts the drain: readiness and new KServe requests answer 503 from then on (the requests already at Triton
@@ -53,7 +53,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from egemma.gateway import calls, metrics, openai_api, retry, tei_api
+from egemma.gateway import metrics, openai_api, retry, serving, tei_api
 from egemma.gateway.admission import admit, aio_header, read_body
 from egemma.gateway.aioserver import event_loop_runner, exit_with_parent, listen, serve
 from egemma.gateway.common import DEFAULT_MAX_BODY, GW, Gateway, error_response, readiness, verdict
@@ -172,7 +172,7 @@ def make_app(gw: Gateway) -> web.Application:
     app = web.Application(middlewares=[metrics.observe, gate])
     app[GW] = gw
     app.cleanup_ctx.append(_clients)
-    calls.init(app)
+    serving.init(app)
     tei_api.init(app)
     routes = [("GET", "/v2/health/live", live), ("GET", "/v2/health/ready", ready),
               ("*", r"/v2{tail:(/.*)?}", proxy), *openai_api.ROUTES, *tei_api.ROUTES]
@@ -202,15 +202,17 @@ def parser() -> argparse.ArgumentParser:  # the launcher passes these; docs/conf
     ap.add_argument("--workers", type=int, default=1, help="processes serving the same sockets")
     ap.add_argument("--model-name", default=HUB_ID, help="served name for OpenAI / TEI")
     ap.add_argument("--alias", action="append", default=[], help="another accepted model name (repeatable)")
-    ap.add_argument("--health-file", help="the watchdog's verdict file (egemma.gateway.health)")
+    ap.add_argument("--health-file", help="the watchdog's verdict file (egemma.gateway.common)")
     ap.add_argument("--triton-metrics", help="host:port of Triton's metrics, passed through at GET /metrics")
     ap.add_argument("--max-connections", type=int, default=1024, help="open connections per worker")
     ap.add_argument("--idle-timeout", type=float, default=60.0,
                     help="seconds a connection may wait for a complete request (headers) before it is closed")
-    ap.add_argument("--body-timeout", type=float, default=60.0, help="seconds for a request's whole body")
+    ap.add_argument("--body-timeout", type=float, default=Gateway.body_timeout,
+                    help="seconds for a request's whole body")
     ap.add_argument("--api-key-file", help="a file holding the API key that inference routes require "
                                            "(Authorization: Bearer KEY; KServe also api-key: KEY)")
-    ap.add_argument("--retry-seconds", type=float, default=30.0, help="how long a request is retried in a restart")
+    ap.add_argument("--retry-seconds", type=float, default=Gateway.retry_s,
+                    help="how long a request is retried in a restart")
     metrics.add_flags(ap)
     ap.add_argument("--exit-with-parent", type=int, metavar="PID",
                     help="exit when process PID (the launcher, our parent) dies, even by SIGKILL")

@@ -1,17 +1,18 @@
-"""What the gateway's route modules share: its state (Gateway, read as request.app[GW]), JSON answers, errors as
-answers, the request body as a JSON object, the watchdog's verdict, and the request options the OpenAI and TEI
-routes pass on to Triton (checked here: tritonclient refuses a value of another type without a status)."""
+"""What the gateway's route modules share: its state (Gateway, read as request.app[GW]), errors as answers, and the
+watchdog's verdict: a small JSON file the launcher's watchdog writes after every check and the health routes answer
+with (Triton's own /v2/health/live stays 200 after a model process died, so it cannot be the liveness probe)."""
 from __future__ import annotations
 
+import json
+import os
+import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
-import orjson
 from aiohttp import web
 
-from egemma.gateway import health
-from egemma.gateway.admission import read_body
-from egemma.gateway.errors import GatewayError, Kind, Protocol, headers, render
-from egemma.spec import HUB_ID, OptionError, check
+from egemma.gateway.errors import GatewayError, Protocol, headers, render
+from egemma.spec import HUB_ID
 
 DEFAULT_MAX_BODY = 3 << 20  # under the 4 MiB at which Triton 2.51's HTTP crashes on the GPU host
 HEALTH_MAX_AGE = 15.0  # s: the watchdog writes a verdict every ~2-7 s; an older one vouches for nothing
@@ -54,12 +55,6 @@ class Gateway:
 GW = web.AppKey("gw", Gateway)
 
 
-def json_response(obj, status: int = 200) -> web.Response:
-    """orjson: fp32 arrays as their shortest round-trip decimals, ~15x faster than json with float lists."""
-    return web.Response(body=orjson.dumps(obj, option=orjson.OPT_SERIALIZE_NUMPY), status=status,
-                        content_type="application/json")
-
-
 REFUSED = "egemma_refused"  # an error answer's Kind, as the response's user data: counted by egemma.gateway.metrics
 
 
@@ -72,19 +67,8 @@ def error_response(e: GatewayError, proto: Protocol) -> web.Response:
     return r
 
 
-async def read_json(request: web.Request) -> dict:
-    """The body as a JSON object."""
-    try:
-        body = orjson.loads(await read_body(request, request.app[GW]))
-    except orjson.JSONDecodeError as e:
-        raise GatewayError(Kind.MALFORMED, f"the body is not valid JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise GatewayError(Kind.MALFORMED, "the body must be a JSON object")
-    return body
-
-
 def verdict(gw: Gateway) -> tuple[bool, str]:
-    return health.read(gw.health_file, HEALTH_MAX_AGE) if gw.health_file else (True, "no watchdog")
+    return read_verdict(gw.health_file, HEALTH_MAX_AGE) if gw.health_file else (True, "no watchdog")
 
 
 def readiness(gw: Gateway) -> tuple[bool, str]:
@@ -92,26 +76,30 @@ def readiness(gw: Gateway) -> tuple[bool, str]:
     return (False, "draining: the server is stopping") if gw.draining else verdict(gw)
 
 
-def options(body: dict, keys) -> dict:
-    """The request options among keys that body gives (null: not given), for Triton's request parameters, each by
-    the options' one rule (egemma.spec.check); GatewayError(VALIDATION) naming the field otherwise."""
-    out = {}
-    for k in keys:
-        if (v := body.get(k)) is None:
-            continue
-        try:
-            out[k] = check(k, v)
-        except OptionError as e:
-            raise GatewayError(Kind.VALIDATION, str(e), k) from None
-    return out
+def write_verdict(path: str | Path, ok: bool, why: str | None = None, restarts: int = 0):
+    """The watchdog's: atomically, so a reader never sees half a file. restarts: the watchdog's so far (a metric)."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump({"ok": ok, "why": why, "time": time.time(), "restarts": restarts}, f)
+    os.replace(tmp, path)
 
 
-def choice(body: dict, key: str, allowed: tuple[str, ...], default: str) -> str:
-    """An enum field: absent or null is the default, else one of allowed as a string (never "" or [] for the
-    default); GatewayError(VALIDATION) naming the field."""
-    if (v := body.get(key)) is None:
-        return default
-    if not isinstance(v, str) or v not in allowed:
-        raise GatewayError(Kind.VALIDATION, f"{key} must be one of {', '.join(map(repr, allowed))}, got "
-                                            f"{orjson.dumps(v, default=repr).decode()[:100]}", key)
-    return v
+def restarts(path: str | Path) -> int:
+    """The watchdog's restarts the verdict file counts (0 while there is none)."""
+    try:
+        return int(json.loads(Path(path).read_text()).get("restarts", 0))
+    except (OSError, ValueError):
+        return 0
+
+
+def read_verdict(path: str | Path, max_age: float) -> tuple[bool, str]:
+    """(serving, why): False when the verdict is bad, missing, or older than max_age seconds (a watchdog that
+    stopped checking vouches for nothing)."""
+    try:
+        v = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return False, "no watchdog verdict yet"
+    age = time.time() - float(v.get("time", 0))
+    if age > max_age:
+        return False, f"watchdog verdict is {age:.0f}s old"
+    return bool(v.get("ok")), v.get("why") or "serving"

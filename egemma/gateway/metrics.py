@@ -15,7 +15,7 @@ import time
 
 from aiohttp import web
 
-from egemma.gateway import health
+from egemma.gateway import common
 from egemma.gateway.common import GW, REFUSED
 from egemma.gateway.errors import Kind
 from egemma.stub.metrics import STUB_FAMILIES, Family, Shared, layout, read_stats, render
@@ -81,7 +81,7 @@ class Metrics:
         if health_file:
             text += ("# HELP egemma_watchdog_restarts_total Restarts of tritonserver by the launcher's watchdog\n"
                      "# TYPE egemma_watchdog_restarts_total counter\n"
-                     f"egemma_watchdog_restarts_total {health.restarts(health_file)}\n")
+                     f"egemma_watchdog_restarts_total {common.restarts(health_file)}\n")
         return text
 
 

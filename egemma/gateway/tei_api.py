@@ -25,93 +25,31 @@ from importlib import metadata
 import numpy as np
 from aiohttp import web
 
-from egemma.gateway import calls
+from egemma.engine.config import EngineConfig  # torch-free: the defaults of the encoder's parameters
+from egemma.gateway import calls, protocol, serving
 from egemma.gateway import metrics as gateway_metrics
-from egemma.gateway.common import GW, choice, json_response, options, read_json, readiness
+from egemma.gateway.admission import read_body
+from egemma.gateway.common import GW, readiness
 from egemma.gateway.errors import GatewayError, Kind
+from egemma.gateway.protocol import json_response
 from egemma.gateway.upstream import Upstream
 from egemma.spec import ENSEMBLE
 
 _VOCAB = web.AppKey("egemma_vocab", dict)
 
 
-def _inputs(x, ids_ok: bool) -> list:
-    """TEI's Input: a string, one id list, or a list of strings / id lists; returns the list. Nothing in it may be
-    empty (TEI's tokenizer refuses an empty input: `Empty`)."""
-    if isinstance(x, str) or (ids_ok and isinstance(x, list) and x and all(type(t) is int for t in x)):
-        x = [x]
-    if not isinstance(x, list):
-        raise GatewayError(Kind.VALIDATION, "inputs must be a string or a list of "
-                           + ("strings or token id lists" if ids_ok else "strings"), "inputs")
-    if not x:
-        raise GatewayError(Kind.EMPTY, "`inputs` cannot be empty", "inputs")
-    if len(x) > calls.MAX_INPUTS:
-        raise GatewayError(Kind.VALIDATION, f"batch size {len(x)} > maximum allowed batch size {calls.MAX_INPUTS}",
-                           "inputs")
-    for j, t in enumerate(x):
-        if not (isinstance(t, str) or ids_ok and isinstance(t, list) and all(type(i) is int for i in t)):
-            raise GatewayError(Kind.VALIDATION, f"inputs[{j}] must be a string"
-                               + (" or a list of token ids" if ids_ok else ""), "inputs")
-        if not t:
-            raise GatewayError(Kind.EMPTY, f"`inputs` cannot be empty: inputs[{j}] is", "inputs")
-    return x
-
-
-def _flag(body: dict, key: str, default):
-    v = body.get(key)
-    if v is None:
-        return default
-    if type(v) is not bool:
-        raise GatewayError(Kind.VALIDATION, f"{key} must be true or false, got {v!r}", key)
-    return v
-
-
-def _left(body: dict) -> bool:
-    return choice(body, "truncation_direction", ("Left", "Right", "left", "right"), "Right").lower() == "left"
-
-
 async def embed(request: web.Request) -> web.Response:
     gw = request.app[GW]
-    body = await read_json(request)
-    items = _inputs(body.get("inputs"), ids_ok=True)
-    if not _flag(body, "normalize", True):
-        raise GatewayError(Kind.VALIDATION, "normalize=false is not supported: this model's embeddings are always "
-                                            "L2-normalised (its Normalize module runs inside the encoder)")
-    truncate, left = _flag(body, "truncate", True), _left(body)
-    params = options(body, ("prompt_name", "dimensions", "long_text", "chunk_overlap"))
-    if "long_text" in params and body.get("truncate") is not None:
-        raise GatewayError(Kind.VALIDATION, "give long_text or truncate, not both (truncate=false is long_text=error)",
-                           "long_text")
-    text_at = [j for j, t in enumerate(items) if isinstance(t, str)]
-    ids_at = [j for j, t in enumerate(items) if not isinstance(t, str)]
-    if ids_at and "prompt_name" in params:
-        raise GatewayError(Kind.VALIDATION, "prompt_name applies to text inputs; with token ids, put the prompt's "
-                                            "ids first", "prompt_name")
-    # left truncation can be honoured exactly when nothing is cut: then ask for no truncation at all
-    long_text = params.get("long_text", "truncate" if truncate else "error")
-    if long_text == "truncate" and left:
-        long_text = "error"
-    text_params = params if long_text == params.get("long_text", "truncate") else {**params, "long_text": long_text}
+    req = protocol.tei_embed(await read_body(request, gw))
     try:
-        parts = await calls.gather(
-            calls.embed_texts(gw, [items[j] for j in text_at], text_params) if text_at else _none(),
-            calls.embed_id_lists(request.app, [items[j] for j in ids_at], text_params, "inputs", "token ids: ")
-            if ids_at else _none())
+        emb, _ = await serving.embed(request.app, req)
     except GatewayError as e:
-        if left and truncate and e.kind is Kind.VALIDATION:  # maybe an input that needs cutting
+        if req.left and e.kind is Kind.VALIDATION:  # maybe an input that needs cutting
             raise GatewayError(Kind.VALIDATION, f"{e}; truncation_direction=left is honoured only for inputs that "
                                                 "need no truncation (this server cuts on the right, keeping EOS "
                                                 "last)") from None
         raise
-    out = [None] * len(items)
-    for at, part in zip((text_at, ids_at), parts):
-        for j, row in zip(at, part[0] if part else ()):
-            out[j] = row
-    return json_response(np.stack(out))
-
-
-async def _none():
-    return None
+    return json_response(emb)
 
 
 async def embed_all(request: web.Request) -> web.Response:
@@ -121,10 +59,7 @@ async def embed_all(request: web.Request) -> web.Response:
 
 async def tokenize(request: web.Request) -> web.Response:
     gw = request.app[GW]
-    body = await read_json(request)
-    texts = _inputs(body.get("inputs"), ids_ok=False)
-    specials = _flag(body, "add_special_tokens", True)
-    params = {"truncate": _flag(body, "truncate", True), **options(body, ("prompt_name",))}
+    texts, specials, params = protocol.tei_tokenize(await read_body(request, gw))
     seqs = await calls.tokenize(gw, texts, params)
     vocab = await _vocab(request.app)
     return json_response([[{"id": i, "text": vocab["pieces"][i], "special": i in vocab["special"],
@@ -137,7 +72,7 @@ async def _vocab(app) -> dict:
     st = app[_VOCAB]
     if "pieces" not in st:
         from tokenizers import Tokenizer
-        facts = await calls.facts(app)
+        facts = await serving.facts(app)
         path = facts.tokenizer_json or str(facts.cfg.path / "tokenizer.json")
         tok = await asyncio.to_thread(Tokenizer.from_file, path)
         st["special"] = {i for i, t in tok.get_added_tokens_decoder().items() if t.special}
@@ -147,17 +82,19 @@ async def _vocab(app) -> dict:
 
 async def info(request: web.Request) -> web.Response:
     gw = request.app[GW]
-    f = await calls.facts(request.app)
+    f = await serving.facts(request.app)
     try:
         version = metadata.version("embeddinggemma-triton")
     except metadata.PackageNotFoundError:
         version = "unknown"
+    dtype, max_tokens = (f.encoder_params.get("dtype") or EngineConfig.dtype,
+                         int(f.encoder_params.get("max_tokens") or EngineConfig.max_tokens))
     return json_response({
-        "model_id": gw.model_name, "model_sha": None, "model_dtype": f.encoder_params.get("dtype") or "auto",
+        "model_id": gw.model_name, "model_sha": None, "model_dtype": dtype,
         "served_model_name": gw.model_name, "model_type": {"embedding": {"pooling": "mean"}},
         "max_concurrent_requests": 0, "max_input_length": f.cfg.max_seq_length,
-        "max_batch_tokens": int(f.encoder_params.get("max_tokens") or 0), "max_batch_requests": f.encoder_max_batch,
-        "max_client_batch_size": calls.MAX_INPUTS, "auto_truncate": True,
+        "max_batch_tokens": max_tokens, "max_batch_requests": f.encoder_max_batch,
+        "max_client_batch_size": protocol.MAX_INPUTS, "auto_truncate": True,
         "tokenization_workers": f.tokenizer_instances, "version": version, "sha": None, "docker_label": None,
         "demo": f.cfg.demo})  # ours: true on a generated checkpoint with random weights
 

@@ -49,6 +49,7 @@ from egemma.ops.repository import ROOT, path_env, resolve_checkpoint
 from egemma.ops.front import Front
 from egemma.ops.tritonserver import (ADMIN_APIS, ADMIN_HEADER, API_HEADER, HEARTBEATS, ServerConfig, TritonServer,
                                      free_port, gpu_host)
+from egemma.ops.watchdog import MAX_BUSY, Watchdog
 from egemma.gateway import tracing
 from egemma.spec import EMBEDDING, ENCODER, ENSEMBLE, HUB_ID, TEXT, TOKENIZER
 from egemma.stub import budget
@@ -130,7 +131,7 @@ def parser() -> argparse.ArgumentParser:
                         f"(default {ServerConfig.exit_timeout_secs})")
     g.add_argument("--watchdog", action=argparse.BooleanOptionalAction, default=True,
                    help="restart the server when a canary inference fails or a model process dies (default on)")
-    g.add_argument("--watchdog-max-busy", type=float, default=120.0, metavar="SECONDS",
+    g.add_argument("--watchdog-max-busy", type=float, default=MAX_BUSY, metavar="SECONDS",
                    help="restart when one model instance is busy in one execute for this long (scaled up for "
                         "batches over 131072 tokens), or canaries time out while the server is busy and no request "
                         "completes for this long: a model is spinning (default 120)")
@@ -210,7 +211,7 @@ def start(a: argparse.Namespace) -> Running:
 
     a.run_dir.mkdir(parents=True, exist_ok=True)
     cachedir.prepare(a.cache_dir, a.run_dir, log=lambda m: print(m, file=sys.stderr, flush=True))
-    health_file = a.run_dir / "health.json"  # the watchdog's verdict (egemma.gateway.health) for the gateway
+    health_file = a.run_dir / "health.json"  # the watchdog's verdict (egemma.gateway.common) for the gateway
     h = "127.0.0.1" if a.host in ("0.0.0.0", "::") else a.host
     ports = [a.http_port] + ([a.openai_port] if a.openai_port else [])
     front = Front([*(f"--port={p}" for p in ports), f"--host={a.host}", f"--triton-http=127.0.0.1:{internal}",
@@ -228,7 +229,6 @@ def start(a: argparse.Namespace) -> Running:
     supervisor = None
     try:
         if a.watchdog:
-            from egemma.ops.watchdog import Watchdog
             supervisor = Watchdog(server, max_busy=a.watchdog_max_busy, health_file=health_file).start()
         else:
             supervisor = server()

@@ -17,7 +17,7 @@ is exercised). It restarts the server:
   all models' success counts) for more than `max_busy` seconds: a model is spinning. While requests
   complete, or for less long, a timed-out canary is excused (a 64 x 2048-token batch takes ~25 s on two cores);
 - after `failures` other canary failures (an error, a refused connection) in a row.
-After every check the verdict (serving or why not) goes to `health_file` (egemma.gateway.health), which the
+After every check the verdict (serving or why not) goes to `health_file` (egemma.gateway.common), which the
 gateway's liveness route answers from: a watchdog that stops checking leaves a verdict that ages, and a restart
 writes "restarting" first, so liveness fails only when restarts keep failing or the watchdog itself is stuck.
 Restarting kills the server's process group (a graceful stop would wait out --exit-timeout-secs on the dead model),
@@ -36,12 +36,13 @@ import urllib.request
 from typing import Callable
 
 from egemma.ops.procfs import cpu_seconds, stopped, stub_pids
-from egemma.gateway import health
+from egemma.gateway import common
 from egemma.spec import EMBEDDING, ENSEMBLE, TEXT
 from egemma.stub.instance import read_heartbeats
 
 TIMED_OUT = "canary timed out"
 IDLE_CPU = 0.05  # of a core: a stub in execute using less is blocked (Python waiting on nothing uses ~0)
+MAX_BUSY = 120.0  # s in one execute before a model counts as spinning (--watchdog-max-busy)
 TOKENS_PER_MAX_BUSY = 64 * 2048  # ~25 s on two cores: one execute of more tokens may take max_busy x its share
 
 
@@ -87,7 +88,7 @@ class Watchdog:
     failed) for every restart; `busy` counts canary timeouts excused because the server was computing."""
 
     def __init__(self, start: Callable[[], object], interval: float = 2.0, timeout: float = 5.0, failures: int = 2,
-                 max_busy: float = 120.0, hang_after: float = 3.0, health_file=None,
+                 max_busy: float = MAX_BUSY, hang_after: float = 3.0, health_file=None,
                  log=lambda msg: print(f"watchdog: {msg}", file=sys.stderr, flush=True)):
         self._start, self.interval, self.timeout, self.failures, self.log = start, interval, timeout, failures, log
         self.max_busy, self.hang_after, self.health_file = max_busy, hang_after, health_file
@@ -110,7 +111,7 @@ class Watchdog:
 
     def _verdict(self, why: str | None):
         if self.health_file is not None:
-            health.write(self.health_file, why is None, why, restarts=len(self.events))
+            common.write_verdict(self.health_file, why is None, why, restarts=len(self.events))
 
     def _url(self) -> str:
         host = self.server.http_host  # Triton's own HTTP, behind the gateway

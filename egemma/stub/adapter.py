@@ -35,7 +35,7 @@ def boot_phases(engine):
 
 def env_path(name: str) -> str:
     """A path parameter's environment variable (egemma.spec.PATH_ENV), "" where unset: the one reader of them, for
-    the models, the gateway (egemma.gateway.calls.facts) and the launcher's --model default."""
+    the models, the gateway (egemma.gateway.serving.facts) and the launcher's --model default."""
     return os.environ.get(PATH_ENV[name], "")
 
 
