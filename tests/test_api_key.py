@@ -144,7 +144,8 @@ def test_probes_metadata_and_metrics_stay_open(keyed):
             assert status == 200, (p, b[:200])  # live: the watchdog's verdict, so its keyed canary passes
     for path in ("/health", "/metrics"):
         assert requests.get(keyed.url + path, timeout=10).status_code == 200, path
-    assert "egemma_" in requests.get(f"http://127.0.0.1:{keyed.ports['metrics']}/metrics", timeout=10).text
+    triton_metrics = requests.get(f"http://127.0.0.1:{keyed.ports['metrics']}/metrics", timeout=10).text
+    assert "nv_inference_request_success" in triton_metrics
     # a route that does not exist is a 404 before any key is asked for
     assert requests.get(keyed.url + "/nope", timeout=10).status_code == 404
 

@@ -193,6 +193,9 @@ def test_metrics_are_typed_and_carry_no_user_text(scraped):
     for name in ("egemma_batch_size", "egemma_batch_tokens", "egemma_tokenize_duration_seconds",
                  "egemma_engine_duration_seconds", "egemma_request_duration_seconds"):
         assert f"# TYPE {name} histogram" in text and value(p.series(f"sum({name}_count) > 0")[0]) > 0
+    # the model instances' counters: none repeats a histogram's _sum / _count or Triton's own counts
+    assert value(p.series("sum(egemma_encoder_seconds_total) > 0")[0]) > 0
+    assert value(p.series("sum(egemma_graph_replays_total) + sum(egemma_eager_runs_total) > 0")[0]) > 0
     reasons = {r["metric"]["reason"] for r in p.series("egemma_requests_refused_total")}
     assert {"too_large", "not_found", "validation"} <= reasons, reasons
     codes = {r["metric"]["code"] for r in p.series("egemma_requests_total")}

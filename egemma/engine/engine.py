@@ -66,7 +66,7 @@ class Engine:
                  "%.1fs, graphs %.1fs", self.cfg.path, self.device, self.dtype, ec.deterministic,
                  self.choices.summary(), tuning.cublas_workspace(), t1 - t0, t2 - t1,
                  time.perf_counter() - t2)
-        self.stats = {"graph_replays": 0, "eager_runs": 0, "tokens": 0}
+        self.stats = {"graph_replays": 0, "eager_runs": 0}
 
     def load(self) -> Encoder:
         """The encoder's weights on the device, the process's GPU settings made before its first cuBLAS call."""
@@ -129,7 +129,6 @@ class Engine:
         out = np.empty((len(seqs), self.cfg.out_dim), dtype=np.float32)
         for a, b in self.chunks(lengths):
             ids = np.concatenate(seqs[a:b])
-            self.stats["tokens"] += ids.size
             if self.graphs is not None:
                 _, replayed = self.graphs.run(ids, lengths[a:b], out=out[a:b])
                 self.stats["graph_replays" if replayed else "eager_runs"] += 1

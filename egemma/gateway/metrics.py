@@ -1,6 +1,6 @@
-"""The gateway's own Prometheus metrics, and GET /metrics's text: Triton's (nv_inference_*, the stubs' egemma_*_total
-counters) followed by the gateway's families, the model instances' histograms (egemma.stub.metrics.STUB_FAMILIES,
-from the files the stubs write into --stats-dir) and the watchdog's restarts (from the verdict file).
+"""The gateway's own Prometheus metrics, and GET /metrics's text: Triton's (nv_inference_*, nv_gpu_*) followed by the
+gateway's families, the model instances' (egemma.stub.metrics.STUB_FAMILIES, from the files the stubs write into
+--stats-dir) and the watchdog's restarts (from the verdict file).
 
 The gateway counts what only it sees: each HTTP request's duration and status by route, and its own refusals by
 reason. What Triton counts (queue and compute time per model, requests, executions) is not counted again. The
@@ -56,7 +56,7 @@ class Metrics:
 
     def __init__(self, workers: int = 1, stats_dir: str | None = None):
         self.n = layout(FAMILIES)[1]
-        self.workers, self.stats_dir = workers, stats_dir  # stats_dir: the model instances' histogram files
+        self.workers, self.stats_dir = workers, stats_dir  # stats_dir: the model instances' metrics files
         self.mm = mmap.mmap(-1, 8 * self.n * workers)  # anonymous and shared: forked workers write the same pages
         self.worker(0)
 
@@ -128,7 +128,7 @@ def done(path: str, status: int, t0: float, tracing, span):
 def add_flags(ap):
     """The gateway's flags of what it observes: --stats-dir, and tracing's (egemma.gateway.tracing)."""
     from egemma.gateway import tracing
-    ap.add_argument("--stats-dir", help="where the model instances write their histograms (the launcher's "
+    ap.add_argument("--stats-dir", help="where the model instances write their metrics (the launcher's "
                                         "heartbeat directory), rendered at GET /metrics")
     tracing.add_flags(ap)
 

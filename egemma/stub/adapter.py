@@ -88,13 +88,6 @@ class Adapter:
             except Exception as e:
                 responses[i] = self.error(e)
 
-    def count(self, counters, **values):
-        """Metrics never cost a response: a failure to count is logged."""
-        try:
-            counters.add(**values)
-        except Exception as e:
-            log.error("metrics: %s", e, exc_info=e)
-
     def parse_each(self, requests, parse: Callable) -> tuple[list, list[tuple[int, Any]]]:
         """(responses: None, or the error response of each request parse(request) raised for;
         [(index, parsed)] of the others)."""

@@ -1,46 +1,21 @@
-"""Prometheus metrics of the Python-backend models, two ways:
-- Counters: egemma_*_total on Triton's metrics port (pb_utils.MetricFamily). Every metric call is a round trip from
-  the stub to the Triton process (per execute it slowed a single query: perf/RESULTS.md runs 6 and 11), so
-  increments accumulate here and are flushed at most once per `period` seconds.
-- Shared: counters and histograms as float64 slots in a shared memory map, written with plain stores (no system
-  call, no round trip: the execute path stays as it was) and read by another process, which sums the maps of every
-  writer and renders Prometheus text (`render`). The stubs write STUB_FAMILIES to <$EGEMMA_HEARTBEAT_DIR>/<instance
-  name>.stats, which the gateway's GET /metrics renders (egemma.gateway.metrics); the gateway's workers use the same
-  store for their own families. Label values are fixed when a family is declared: never a request's text."""
+"""Prometheus metrics of the Python-backend models and of the gateway: counters and histograms as float64 slots in
+a shared memory map, written with plain stores (no system call, no round trip to the Triton process: pb_utils's
+MetricFamily costs one per update, which slowed a single query) and read by another
+process, which sums the maps of every writer and renders Prometheus text (`render`). The stubs write STUB_FAMILIES to
+<$EGEMMA_HEARTBEAT_DIR>/<instance name>.stats, which the gateway's GET /metrics renders (egemma.gateway.metrics); the
+gateway's workers use the same store for their own families. Label values are fixed when a family is declared: never
+a request's text. What Triton counts itself (nv_inference_count, nv_inference_exec_count, ...) is not counted again,
+nor what a histogram's _sum or _count already gives."""
 from __future__ import annotations
 
 import bisect
 import itertools
 import mmap
 import os
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from egemma.stub.instance import heartbeat_dir
-
-
-class Counters:
-    def __init__(self, pb_utils, specs: dict[str, str], prefix: str = "egemma_", period: float = 1.0):
-        # A Metric must not outlive its MetricFamily: keep both.
-        self.families = {k: pb_utils.MetricFamily(name=f"{prefix}{k}_total", description=d,
-                                                  kind=pb_utils.MetricFamily.COUNTER) for k, d in specs.items()}
-        self.metrics = {k: f.Metric(labels={}) for k, f in self.families.items()}
-        self.pending = dict.fromkeys(specs, 0.0)
-        self.period, self.last = period, float("-inf")  # the first add flushes at once
-
-    def add(self, **values: float):
-        for k, v in values.items():
-            self.pending[k] += v
-        if time.monotonic() - self.last >= self.period:
-            self.flush()
-
-    def flush(self):
-        for k, v in self.pending.items():
-            if v:
-                self.metrics[k].increment(v)
-                self.pending[k] = 0.0
-        self.last = time.monotonic()
 
 
 @dataclass(frozen=True)
@@ -167,4 +142,8 @@ STUB_FAMILIES = [
     Family("egemma_tokenize_duration_seconds", "Time of one tokenizer execute (its whole batch), seconds", _SECONDS),
     Family("egemma_engine_duration_seconds", "Time of the engine's embed in one encoder execute (the GPU's "
                                              "included), seconds", _SECONDS),
+    Family("egemma_encoder_seconds_total", "Time in the encoder's execute (the engine's embed and its own parsing "
+                                           "and responses), seconds"),
+    Family("egemma_graph_replays_total", "Forwards replayed from a CUDA graph"),
+    Family("egemma_eager_runs_total", "Forwards run eagerly"),
 ]

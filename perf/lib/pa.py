@@ -1,11 +1,16 @@
 """perf_analyzer over gRPC and Triton's own accounting: the --input-data JSON for a list of texts, one
 perf_analyzer run read back from its CSV (retried with looser stability when no 3 windows agree), Triton's per-model
-statistics and their difference over a window, and the egemma_* counters on the metrics endpoint with the models'
-own times derived from them. Used by perf/serving/bench_serve.py and the other serving benchmarks."""
+statistics and their difference over a window, and the models' own series (the stubs' metrics, Triton's counts
+per model) with the models' own times derived from them. Used by perf/serving/bench_serve.py and the other serving
+benchmarks."""
 import csv
+import re
 import subprocess
 import urllib.request
 from pathlib import Path
+
+from egemma.spec import TOKENIZER
+from egemma.stub.metrics import STUB_FAMILIES, read_stats, render
 
 
 def perf_analyzer(url, model, data, out_csv, extra, log, window_ms=2000, stability=25, trials=6):
@@ -63,36 +68,46 @@ def pa_data(texts: list[str], utf8: bool) -> dict:
     return {"data": [{"TEXT": [t]} for t in texts]}
 
 
-def counters(metrics_url) -> dict[str, float]:
-    """The egemma_* counters on Triton's metrics endpoint, summed over instances (none for other models)."""
+def counters(server) -> dict[str, float]:
+    """The models' own series of a running TritonServer: the stubs' (egemma.stub.metrics.STUB_FAMILIES, summed over
+    the instances' files in its heartbeat directory, as the gateway's /metrics renders them) and Triton's
+    nv_inference_count per model from its metrics port, keyed "nv_inference_count:<model>"."""
     out = {}
-    with urllib.request.urlopen(f"http://{metrics_url}/metrics", timeout=10) as r:
+    for line in render(STUB_FAMILIES, read_stats(server.heartbeat_dir, STUB_FAMILIES)).splitlines():
+        if not line.startswith("#") and "{" not in line:
+            name, value = line.split()
+            out[name] = float(value)
+    with urllib.request.urlopen(f"http://{server.host}:{server.metrics_port}/metrics", timeout=10) as r:
         for line in r.read().decode().splitlines():
-            if line.startswith("egemma_"):
-                name, value = line.split("{")[0].split()[0], float(line.rsplit(None, 1)[1])
-                out[name] = out.get(name, 0.0) + value
+            if line.startswith("nv_inference_count{"):
+                key = "nv_inference_count:" + re.search(r'model="([^"]*)"', line).group(1)
+                out[key] = out.get(key, 0.0) + float(line.rsplit(None, 1)[1])
     return out
 
 
+def _delta(cb: dict, ca: dict, name: str) -> float:
+    return ca.get(name, 0.0) - cb.get(name, 0.0)
+
+
 def tokenizer_ms_per_text(cb: dict, ca: dict) -> float | None:
-    """The tokenizer model's own time in execute per text, ms, from its counters between two reads (None: no texts,
-    or the floor, which has no counters). Both counters flush together, so their ratio is exact even with a flush
-    pending."""
-    texts = ca.get("egemma_texts_total", 0) - cb.get("egemma_texts_total", 0)
-    if not texts:
+    """The tokenizer model's own time in execute per text, ms, between two reads of `counters` (None: no tokenizer
+    execute recorded: no texts, or the floor, whose models record nothing). Its texts are Triton's count of the
+    tokenizer's inferences (TEXT is [texts, 1])."""
+    if not _delta(cb, ca, "egemma_tokenize_duration_seconds_count"):
         return None
-    return 1e3 * (ca["egemma_tokenizer_seconds_total"] - cb.get("egemma_tokenizer_seconds_total", 0)) / texts
+    texts = _delta(cb, ca, f"nv_inference_count:{TOKENIZER}")
+    return 1e3 * _delta(cb, ca, "egemma_tokenize_duration_seconds_sum") / texts if texts else None
 
 
 def model_times(cb: dict, ca: dict) -> dict:
-    """Both models' own times from their counters between two reads: the encoder's per execute, ms, all of execute
-    and the engine's embed in it (what Triton's compute_infer adds around execute is the stub's and the IPC's), and
-    the tokenizer's execute per text."""
-    n = ca.get("egemma_executes_total", 0) - cb.get("egemma_executes_total", 0)
-    if not n or "egemma_encoder_seconds_total" not in ca:  # the floor has no counters
+    """Both models' own times between two reads of `counters`: the encoder's per execute that embedded something,
+    ms, all of execute and the engine's embed in it (what Triton's compute_infer adds around execute is the stub's
+    and the IPC's), and the tokenizer's execute per text."""
+    n = _delta(cb, ca, "egemma_batch_size_count")
+    if not n:  # no encoder execute recorded (the floor records nothing)
         return {}
-    out = {f"encoder_{k}_ms": 1e3 * (ca[f"egemma_{s}_seconds_total"] - cb.get(f"egemma_{s}_seconds_total", 0)) / n
-           for k, s in (("execute", "encoder"), ("embed", "embed"))}
+    out = {"encoder_execute_ms": 1e3 * _delta(cb, ca, "egemma_encoder_seconds_total") / n,
+           "encoder_embed_ms": 1e3 * _delta(cb, ca, "egemma_engine_duration_seconds_sum") / n}
     if (per_text := tokenizer_ms_per_text(cb, ca)) is not None:
         out["tokenizer_execute_ms_per_text"] = per_text
     return out

@@ -45,18 +45,18 @@ CONCURRENCY = [1, 16, 64, 128, 256]
 W1_TEXTS = 128
 
 
-def w1(url, metrics_url, model, data, out: Path, name, log):
+def w1(url, server, model, data, out: Path, name, log):
     """One request of the 8 long texts at a time (perf_analyzer -b 8), with Triton's per-model split and the
     tokenizer model's own time in execute (its counters: what Triton's compute adds around it is the stub's)."""
     c = grpcclient.InferenceServerClient(url)
-    before, cb = model_stats(c), counters(metrics_url)
+    before, cb = model_stats(c), counters(server)
     with GpuMonitor(out / f"{name}_gpu_w1.txt") as gpu:
         res = perf_analyzer(url, model, data, out / f"{name}_w1.csv", ["-b", "8", "--concurrency-range", "1"], log,
                             window_ms=4000)
     if not res:
         return None
     res["gpu"] = gpu.means
-    if (per_text := tokenizer_ms_per_text(cb, counters(metrics_url))) is not None:
+    if (per_text := tokenizer_ms_per_text(cb, counters(server))) is not None:
         res["tokenizer_execute_ms"] = 8 * per_text
     return {**res, "per_model_ms_per_execution": stats_delta(before, model_stats(c))}
 
@@ -91,25 +91,25 @@ def tokenizer_times(tok: TextTokenizer, checkpoint: Path, texts: dict) -> dict:
     return out
 
 
-def run_suite(name, url, metrics_url, model, data, out: Path, log, suite: str):
+def run_suite(name, url, server, model, data, out: Path, log, suite: str):
     """suite: full (all workloads), short (w1, w2, w3 at c=128/256), sweep (w2, w3 at c=128/256).
     name: a file-name-safe tag for the CSV files."""
     families = [k for k in ("w1", "w1_code", "w1_cjk") if k in data] if suite != "sweep" else []
-    res = {k: w1(url, metrics_url, model, data[k], out, f"{name}_{k[3:]}" if k != "w1" else name, log) for k in families}
+    res = {k: w1(url, server, model, data[k], out, f"{name}_{k[3:]}" if k != "w1" else name, log) for k in families}
     stats = grpcclient.InferenceServerClient(url)
-    before, cb = model_stats(stats), counters(metrics_url)
+    before, cb = model_stats(stats), counters(server)
     res["w2"] = perf_analyzer(url, model, data["w2"], out / f"{name}_w2.csv", ["--concurrency-range", "1"], log)
     if res["w2"]:  # where one query's time goes, per model (one request per execution: plain durations)
         res["w2"]["per_model_ms_per_execution"] = stats_delta(before, model_stats(stats))
-        res["w2"].update(model_times(cb, counters(metrics_url)))
+        res["w2"].update(model_times(cb, counters(server)))
     res["w3"] = {}
     for c in {"full": CONCURRENCY, "short": [128, 256], "sweep": [128, 256]}[suite]:
-        before, cpu0, cb = model_stats(stats), cpu_times(), counters(metrics_url)
+        before, cpu0, cb = model_stats(stats), cpu_times(), counters(server)
         with GpuMonitor(out / f"{name}_gpu_c{c}.txt") as gpu:
             res["w3"][c] = perf_analyzer(url, model, data["w3"], out / f"{name}_w3_c{c}.csv",
                                          ["--concurrency-range", str(c)], log)
         if c == 128:
-            res["w3_c128_encoder"] = model_times(cb, counters(metrics_url))
+            res["w3_c128_encoder"] = model_times(cb, counters(server))
             res["gpu_c128"] = gpu.means
             res["gpu_util_c128"] = gpu.means.get("utilization.gpu")
             busy, total = (b - a for a, b in zip(cpu0, cpu_times()))
@@ -210,7 +210,7 @@ def main():
             with triton(a.checkpoint, a.out / f"server_{tag}.log", repository=repo, instances=instances or {},
                         stub_bin=stub_bin, gpus=gpus or [], params=params or {}) as s:
                 print(f"{name}: server ready in {time.perf_counter() - t0:.1f}s", flush=True)
-                results[name] = run_suite(tag, s.grpc_url, f"{s.host}:{s.metrics_port}", model,
+                results[name] = run_suite(tag, s.grpc_url, s, model,
                                           data[stub_bin is not None], a.out, log, suite)
         except RuntimeError as e:
             errors = [ln for ln in open(a.out / f"server_{tag}.log") if ln.startswith("E")]

@@ -16,7 +16,7 @@ from egemma.engine import Engine, EngineConfig, boot
 from egemma.engine.windows import combine, split
 from egemma.stub import budget
 from egemma.stub.instance import Heartbeat, instance_device
-from egemma.stub.metrics import STUB_FAMILIES, Counters, instance_stats
+from egemma.stub.metrics import STUB_FAMILIES, instance_stats
 from egemma.spec import (CHUNK_EMBEDDING, CHUNK_OF, INPUT_IDS, OPTIONS, SEQ_LEN, OptionError, RequestOptions,
                          from_tensor)
 from egemma.stub.options import allowed_dimensions, check_dimensions, shape_output
@@ -44,13 +44,8 @@ class TritonPythonModel:
         # required input: checked here)
         self.needs_options = json.loads(args["model_config"]).get("response_cache", {}).get("enable", False)
         self.a = Adapter(pb_utils)
-        self.counters = Counters(pb_utils, {
-            "tokens": "Tokens embedded", "sequences": "Sequences embedded", "executes": "execute() calls",
-            "graph_replays": "Forwards replayed from a CUDA graph", "eager_runs": "Forwards run eagerly",
-            "encoder_seconds": "Time spent in the encoder's execute, seconds",
-            "embed_seconds": "Time spent in the engine's embed (the GPU's included), seconds"})
         self.seen = dict(self.engine.stats)
-        self.stats = instance_stats(args["model_instance_name"], STUB_FAMILIES)  # histograms, read by the gateway
+        self.stats = instance_stats(args["model_instance_name"], STUB_FAMILIES)  # read by the gateway
         boot.phase("ready")
 
     def _parse(self, req) -> tuple[RequestOptions, list[np.ndarray], list[int] | None]:
@@ -151,8 +146,8 @@ class TritonPythonModel:
             return responses
         self.a.respond_each(responses, [(i, (x, emb, a, b, opts, counts, seqs)) for i, a, b, opts, counts in spans],
                             self._respond)
-        stats = self.engine.stats
-        self.a.count(self.counters, executes=1, sequences=len(seqs), encoder_seconds=time.perf_counter() - t0,
-                     embed_seconds=t2 - t1, **{k: v - self.seen[k] for k, v in stats.items()})
-        self.seen = dict(stats)
+        self.stats.inc("egemma_encoder_seconds_total", n=time.perf_counter() - t0)
+        for k, v in self.engine.stats.items():  # graph_replays, eager_runs
+            self.stats.inc(f"egemma_{k}_total", n=v - self.seen[k])
+        self.seen = dict(self.engine.stats)
         return responses

@@ -15,7 +15,7 @@ from egemma.engine.tokenizer import TextTokenizer
 from egemma.engine.windows import cut
 from egemma.stub import budget
 from egemma.stub.instance import Heartbeat
-from egemma.stub.metrics import STUB_FAMILIES, Counters, instance_stats
+from egemma.stub.metrics import STUB_FAMILIES, instance_stats
 from egemma.spec import CHUNK_SPAN, INPUT_IDS, OPTIONS, SEQ_LEN, TEXT, OptionError, RequestOptions, to_tensor
 from egemma.stub.options import allowed_dimensions, check_dimensions
 from egemma.stub.adapter import Adapter, setup_logging, triton_params
@@ -36,9 +36,7 @@ class TritonPythonModel:
         self.dims = allowed_dimensions(params.get("matryoshka_dims", ""), self.cfg.out_dim)
         self.a = Adapter(pb_utils)
         self.beat = Heartbeat(args["model_instance_name"])
-        self.counters = Counters(pb_utils, {"tokenizer_seconds": "Time spent tokenising, seconds",
-                                            "texts": "Texts tokenised"})
-        self.stats = instance_stats(args["model_instance_name"], STUB_FAMILIES)  # histograms, read by the gateway
+        self.stats = instance_stats(args["model_instance_name"], STUB_FAMILIES)  # read by the gateway
         boot.phase("ready")
 
     def _texts(self, req) -> tuple[list[str], RequestOptions, str]:
@@ -141,7 +139,5 @@ class TritonPythonModel:
         encoded = [(i, (texts, rows, opts, prefix)) for (i, (texts, opts, prefix)), rows
                    in zip(parsed, self._encode(parsed, responses)) if rows is not None]
         self.a.respond_each(responses, encoded, self._response)
-        took = time.perf_counter() - t0
-        self.stats.observe("egemma_tokenize_duration_seconds", took)
-        self.a.count(self.counters, texts=sum(len(t) for _, (t, _, _) in parsed), tokenizer_seconds=took)
+        self.stats.observe("egemma_tokenize_duration_seconds", time.perf_counter() - t0)
         return responses
