@@ -118,7 +118,7 @@ async def health_route(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    """Triton's Prometheus text as it is (nv_inference_*, egemma_*_total), from its metrics port, then the gateway's
+    """Triton's Prometheus text as it is (nv_inference_*, nv_gpu_*), from its metrics port, then the gateway's
     own metrics (egemma.gateway.metrics)."""
     gw = request.app[GW]
     if not gw.triton_metrics:
