@@ -15,10 +15,9 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
-from egemma.engine.cache import configured, unwritable
 from egemma.engine.chunker import Chunker
 from egemma.engine.config import ModelConfig
-from egemma.engine.cpus import usable_cores
+from egemma.engine.process import configured, unwritable, usable_cores
 from egemma.kernels import bpe
 
 TOKENIZER_BACKENDS = ("auto", "c", "tokenizers")

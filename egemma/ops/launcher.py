@@ -38,9 +38,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from egemma.engine.cache import cache_dir
 from egemma.engine.config import ModelConfig
-from egemma.engine.cpus import usable_cores
+from egemma.engine.process import cache_dir, usable_cores
 from egemma.ops import cachedir
 from egemma.ops.host import (CORES_PER_TOKENIZER, CPU_INSTANCES, ENCODERS_PER_GPU, TOKENIZERS_PER_GPU, parse_gpus,
                              visible_gpus)

@@ -12,7 +12,7 @@ import time
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from egemma.engine import Engine, EngineConfig, boot
+from egemma.engine import Engine, EngineConfig, process
 from egemma.engine.windows import combine, split
 from egemma.stub import budget
 from egemma.stub.instance import Heartbeat, instance_device
@@ -26,7 +26,7 @@ from egemma.stub.adapter import Adapter, boot_phases, setup_logging, triton_para
 class TritonPythonModel:
     def initialize(self, args):
         setup_logging()
-        boot.begin(args["model_instance_name"])
+        process.begin(args["model_instance_name"])
         checkpoint, params = triton_params(args["model_config"])
         dims_spec = params.pop("matryoshka_dims", "")
         self.max_request_tokens = budget.limit(params.pop(budget.PARAMETER, ""))
@@ -51,7 +51,7 @@ class TritonPythonModel:
             "embed_seconds": "Time spent in the engine's embed (the GPU's included), seconds"})
         self.seen = dict(self.engine.stats)
         self.stats = instance_stats(args["model_instance_name"], STUB_FAMILIES)  # histograms, read by the gateway
-        boot.phase("ready")
+        process.phase("ready")
 
     def _parse(self, req) -> tuple[RequestOptions, list[np.ndarray], list[int] | None]:
         """(options, the sequences to embed, the count of each row's sequences where a row is several windows)."""

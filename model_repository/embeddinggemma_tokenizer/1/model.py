@@ -9,7 +9,7 @@ import time
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from egemma.engine import boot
+from egemma.engine import process
 from egemma.engine.config import ModelConfig
 from egemma.engine.tokenizer import TextTokenizer
 from egemma.engine.windows import cut
@@ -24,11 +24,11 @@ from egemma.stub.adapter import Adapter, setup_logging, triton_params
 class TritonPythonModel:
     def initialize(self, args):
         setup_logging()
-        boot.begin(args["model_instance_name"])
+        process.begin(args["model_instance_name"])
         checkpoint, params = triton_params(args["model_config"])
         self.cfg = ModelConfig.load(checkpoint)
         self.tok = TextTokenizer(self.cfg, params.get("tokenizer_json"), params.get("tokenizer_backend", "auto"))
-        boot.phase("tokenizer", source=self.tok.source)
+        process.phase("tokenizer", source=self.tok.source)
         self.max_text_bytes = int(params.get("max_text_bytes", 1_000_000))
         self.max_request_tokens = budget.limit(params.get(budget.PARAMETER, ""))
         # checked here too, not only in the encoder: a request the ensemble refuses never reaches the encoder, whose
@@ -39,7 +39,7 @@ class TritonPythonModel:
         self.counters = Counters(pb_utils, {"tokenizer_seconds": "Time spent tokenising, seconds",
                                             "texts": "Texts tokenised"})
         self.stats = instance_stats(args["model_instance_name"], STUB_FAMILIES)  # histograms, read by the gateway
-        boot.phase("ready")
+        process.phase("ready")
 
     def _texts(self, req) -> tuple[list[str], RequestOptions, str]:
         opts = RequestOptions.parse(req.parameters())
