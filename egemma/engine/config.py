@@ -1,5 +1,7 @@
-"""One config object per loaded checkpoint: Gemma3 shapes from config.json plus the sentence-transformers
-modules (pooling, Dense projector, Normalize, prompts, max_seq_length) from the files around it."""
+"""The engine's two configs, torch-free (the gateway reads them): ModelConfig, one per loaded checkpoint (Gemma3
+shapes from config.json plus the sentence-transformers modules: pooling, Dense projector, Normalize, prompts,
+max_seq_length, from the files around it), and EngineConfig, how the engine serves it, which holds every engine
+setting's one default (the encoder's config.pbtxt leaves them empty)."""
 from __future__ import annotations
 
 import json
@@ -144,3 +146,33 @@ def _sentence_transformers_modules(path: Path) -> dict:
     out["dense"] = tuple(dense)
     out["normalize"] = normalize
     return out
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the engine serves a checkpoint. The encoder's config.pbtxt parameters of the same names set it (empty:
+    the default here, the only copy)."""
+    checkpoint: str
+    device: str = "auto"  # "auto": the current CUDA device (cuda:N) when present, else cpu
+    dtype: str = "auto"  # "auto": bfloat16 on cuda, float32 on cpu. fp16 overflows in Gemma3: refused.
+    norm_backend: str = "auto"  # auto (fastest per op, timed at load) | sgl-kernel | triton | native
+    attention_backend: str = "auto"  # auto (timed per bucket) | fa3 | fa2 | native
+    cuda_graphs: bool = True
+    max_tokens: int = 16384  # tokens per forward; the largest graph bucket. Larger batches are split.
+    max_seqs: int = 256  # sequences per forward
+    # one kernel choice per op for every batch: a sequence's embedding has the same bits whatever it is batched with
+    # (egemma.engine.tuning). Off by default: one query costs 26% more engine time on the H200 (no layer stack;
+    # perf/RESULTS.md, "Determinism")
+    deterministic: bool = False
+
+    @classmethod
+    def from_params(cls, checkpoint: str, params: dict[str, str]) -> "EngineConfig":
+        """From config.pbtxt string parameters; unknown keys are an error."""
+        fields = {f: cls.__dataclass_fields__[f].type for f in cls.__dataclass_fields__ if f != "checkpoint"}
+        unknown = set(params) - set(fields)
+        if unknown:
+            raise ValueError(f"unknown encoder parameters {sorted(unknown)}; known: {sorted(fields)}")
+        kw = {}
+        for k, v in params.items():
+            kw[k] = v.lower() in ("1", "true", "yes") if fields[k] == "bool" else int(v) if fields[k] == "int" else v
+        return cls(checkpoint=checkpoint, **kw)

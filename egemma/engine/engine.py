@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from egemma.engine.config import ModelConfig
+from egemma.engine.config import EngineConfig, ModelConfig
 from egemma.engine.graphs import GraphRunner, bucket_sizes
 from egemma.engine.ids import problem
 from egemma.engine.model import Encoder, Packed
@@ -23,34 +22,6 @@ log = logging.getLogger("egemma")
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 EAGER_ROWS = 16
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    checkpoint: str
-    device: str = "auto"  # "auto": the current CUDA device (cuda:N) when present, else cpu
-    dtype: str = "auto"  # "auto": bfloat16 on cuda, float32 on cpu. fp16 overflows in Gemma3: refused.
-    norm_backend: str = "auto"  # auto (fastest per op, timed at load) | sgl-kernel | triton | native
-    attention_backend: str = "auto"  # auto (timed per bucket) | fa3 | fa2 | native
-    cuda_graphs: bool = True
-    max_tokens: int = 16384  # tokens per forward; the largest graph bucket. Larger batches are split.
-    max_seqs: int = 256  # sequences per forward
-    # one kernel choice per op for every batch: a sequence's embedding has the same bits whatever it is batched with
-    # (egemma.engine.tuning). Off by default: one query costs 26% more engine time on the H200 (no layer stack;
-    # perf/RESULTS.md, "Determinism")
-    deterministic: bool = False
-
-    @classmethod
-    def from_params(cls, checkpoint: str, params: dict[str, str]) -> "EngineConfig":
-        """From config.pbtxt string parameters; unknown keys are an error."""
-        fields = {f: cls.__dataclass_fields__[f].type for f in cls.__dataclass_fields__ if f != "checkpoint"}
-        unknown = set(params) - set(fields)
-        if unknown:
-            raise ValueError(f"unknown encoder parameters {sorted(unknown)}; known: {sorted(fields)}")
-        kw = {}
-        for k, v in params.items():
-            kw[k] = v.lower() in ("1", "true", "yes") if fields[k] == "bool" else int(v) if fields[k] == "int" else v
-        return cls(checkpoint=checkpoint, **kw)
 
 
 def placement(ec: EngineConfig) -> tuple[torch.device, str]:

@@ -30,7 +30,7 @@ class TritonPythonModel:
         checkpoint, params = triton_params(args["model_config"])
         dims_spec = params.pop("matryoshka_dims", "")
         self.max_request_tokens = budget.limit(params.pop(budget.PARAMETER, ""))
-        params["device"] = instance_device(args, params.get("device", "auto"))
+        params["device"] = instance_device(args, params.get("device", EngineConfig.device))
         self.engine = Engine(EngineConfig.from_params(checkpoint, params))
         boot_phases(self.engine)
         logging.getLogger("egemma").info("egemma: encoder instance %s on %s", args["model_instance_name"],

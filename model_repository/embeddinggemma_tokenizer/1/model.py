@@ -11,12 +11,13 @@ import triton_python_backend_utils as pb_utils
 
 from egemma.engine import process
 from egemma.engine.config import ModelConfig
-from egemma.engine.tokenizer import TextTokenizer
+from egemma.engine.tokenizer import DEFAULT_BACKEND, TextTokenizer
 from egemma.engine.windows import cut
 from egemma.stub import budget
 from egemma.stub.instance import Heartbeat
 from egemma.stub.metrics import STUB_FAMILIES, Counters, instance_stats
-from egemma.spec import CHUNK_SPAN, INPUT_IDS, OPTIONS, SEQ_LEN, TEXT, OptionError, RequestOptions, to_tensor
+from egemma.spec import (CHUNK_SPAN, INPUT_IDS, MAX_TEXT_BYTES, OPTIONS, SEQ_LEN, TEXT, OptionError, RequestOptions,
+                         to_tensor)
 from egemma.stub.options import allowed_dimensions, check_dimensions
 from egemma.stub.adapter import Adapter, setup_logging, triton_params
 
@@ -27,9 +28,10 @@ class TritonPythonModel:
         process.begin(args["model_instance_name"])
         checkpoint, params = triton_params(args["model_config"])
         self.cfg = ModelConfig.load(checkpoint)
-        self.tok = TextTokenizer(self.cfg, params.get("tokenizer_json"), params.get("tokenizer_backend", "auto"))
+        self.tok = TextTokenizer(self.cfg, params.get("tokenizer_json"),
+                                 params.get("tokenizer_backend", DEFAULT_BACKEND))
         process.phase("tokenizer", source=self.tok.source)
-        self.max_text_bytes = int(params.get("max_text_bytes", 1_000_000))
+        self.max_text_bytes = int(params.get("max_text_bytes", MAX_TEXT_BYTES))
         self.max_request_tokens = budget.limit(params.get(budget.PARAMETER, ""))
         # checked here too, not only in the encoder: a request the ensemble refuses never reaches the encoder, whose
         # response cache would keep an error as an empty answer (Triton 2.51; tests/test_response_cache.py)
