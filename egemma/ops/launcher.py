@@ -48,6 +48,7 @@ from egemma.ops.repository import ROOT, path_env, resolve_checkpoint
 from egemma.ops.front import Front
 from egemma.ops.tritonserver import (ADMIN_APIS, ADMIN_HEADER, API_HEADER, HEARTBEATS, ServerConfig, TritonServer,
                                      free_port, gpu_host)
+from egemma.ops.watchdog import MAX_BUSY, TOKENS_PER_MAX_BUSY, Watchdog
 from egemma.gateway import tracing
 from egemma.spec import EMBEDDING, ENCODER, ENSEMBLE, HUB_ID, TEXT, TOKENIZER
 from egemma.stub import budget
@@ -129,10 +130,10 @@ def parser() -> argparse.ArgumentParser:
                         f"(default {ServerConfig.exit_timeout_secs})")
     g.add_argument("--watchdog", action=argparse.BooleanOptionalAction, default=True,
                    help="restart the server when a canary inference fails or a model process dies (default on)")
-    g.add_argument("--watchdog-max-busy", type=float, default=120.0, metavar="SECONDS",
+    g.add_argument("--watchdog-max-busy", type=float, default=MAX_BUSY, metavar="SECONDS",
                    help="restart when one model instance is busy in one execute for this long (scaled up for "
-                        "batches over 131072 tokens), or canaries time out while the server is busy and no request "
-                        "completes for this long: a model is spinning (default 120)")
+                        f"batches over {TOKENS_PER_MAX_BUSY} tokens), or canaries time out while the server is busy "
+                        f"and no request completes for this long: a model is spinning (default {MAX_BUSY:g})")
     tracing.add_flags(ap.add_argument_group("observability"))
     return ap
 
@@ -227,7 +228,6 @@ def start(a: argparse.Namespace) -> Running:
     supervisor = None
     try:
         if a.watchdog:
-            from egemma.ops.watchdog import Watchdog
             supervisor = Watchdog(server, max_busy=a.watchdog_max_busy, health_file=health_file).start()
         else:
             supervisor = server()

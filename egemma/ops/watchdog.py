@@ -42,6 +42,7 @@ from egemma.stub.instance import read_heartbeats
 
 TIMED_OUT = "canary timed out"
 IDLE_CPU = 0.05  # of a core: a stub in execute using less is blocked (Python waiting on nothing uses ~0)
+MAX_BUSY = 120.0  # seconds (--watchdog-max-busy): one execute, or a busy server that completes nothing, that long
 TOKENS_PER_MAX_BUSY = 64 * 2048  # ~25 s on two cores: one execute of more tokens may take max_busy x its share
 
 
@@ -87,7 +88,7 @@ class Watchdog:
     failed) for every restart; `busy` counts canary timeouts excused because the server was computing."""
 
     def __init__(self, start: Callable[[], object], interval: float = 2.0, timeout: float = 5.0, failures: int = 2,
-                 max_busy: float = 120.0, hang_after: float = 3.0, health_file=None,
+                 max_busy: float = MAX_BUSY, hang_after: float = 3.0, health_file=None,
                  log=lambda msg: print(f"watchdog: {msg}", file=sys.stderr, flush=True)):
         self._start, self.interval, self.timeout, self.failures, self.log = start, interval, timeout, failures, log
         self.max_busy, self.hang_after, self.health_file = max_busy, hang_after, health_file
