@@ -25,6 +25,9 @@ OUTPUTS = {"float": EMBEDDING, "ubinary": "EMBEDDING_UBINARY", "binary": "EMBEDD
 ENCODINGS = tuple(OUTPUTS)  # OPTIONS carries an encoding as its index here
 MATRYOSHKA = (768, 512, 256, 128)  # the sizes EmbeddingGemma was trained to truncate to
 LONG_TEXT = ("truncate", "error", "chunk")  # what a text over the model's length gets: cut, refused, windowed
+# The longest text the tokenizer model takes, in UTF-8 bytes with its prompt, where its config.pbtxt leaves
+# max_text_bytes empty; the client checks it before sending. 1 MB is ~250k tokens, far past the 2048 embedded.
+MAX_TEXT_BYTES = 1_000_000
 
 
 # The paths a model reads where its config.pbtxt leaves the parameter empty, and the environment variable each comes

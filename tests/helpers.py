@@ -16,6 +16,7 @@ from tritonclient.utils import InferenceServerException
 
 from egemma.ops import shm
 from egemma.ops.procfs import argv, children, kill_group
+from egemma.spec import MAX_TEXT_BYTES
 
 ROOT = Path(__file__).resolve().parent.parent
 TOL = 1e-5  # fp32 on CPU: every served embedding equals sentence-transformers' to this, element by element
@@ -172,9 +173,9 @@ def model_stats(c, model) -> tuple[int, int]:
 
 
 def max_text_bytes(server) -> int:
-    """The tokenizer model's max_text_bytes as the server's rendered repository sets it."""
+    """The tokenizer model's max_text_bytes as the server's rendered repository sets it (empty: the default)."""
     cfg = (server.repo / "embeddinggemma_tokenizer" / "config.pbtxt").read_text()
-    return int(re.search(r'key: "max_text_bytes" value: \{ string_value: "(\d+)"', cfg).group(1))
+    return int(re.search(r'key: "max_text_bytes" value: \{ string_value: "(\d*)"', cfg).group(1) or MAX_TEXT_BYTES)
 
 
 def shm_prefix(server_pid: int) -> str | None:

@@ -10,7 +10,7 @@ import sys
 import torch
 
 from egemma.engine import weights
-from egemma.engine.cache import ENV
+from egemma.engine.process import ENV
 from egemma.engine.config import ModelConfig
 from egemma.engine.tokenizer import cached_tokenizer_json, resolve_ahead, resolved_tokenizer_json
 from egemma.ops import cachedir

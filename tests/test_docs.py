@@ -243,6 +243,24 @@ def test_configuration_lists_every_model_parameter():
     assert set(table("configuration.md", "Model parameters")) == declared
 
 
+def test_configuration_gives_each_model_parameter_the_default_its_reader_defines():
+    """The configs leave every parameter empty (tests/test_placement.py): the default is the one its reader
+    defines, and the table says that one."""
+    from dataclasses import fields
+
+    from egemma.engine.config import EngineConfig
+    from egemma.engine.tokenizer import DEFAULT_BACKEND
+    from egemma.spec import MAX_TEXT_BYTES
+    from egemma.stub import budget
+    rows = table("configuration.md", "Model parameters")
+    defaults = {f.name: f.default for f in fields(EngineConfig) if f.name in rows and f.name != "checkpoint"}
+    defaults |= {"tokenizer_backend": DEFAULT_BACKEND, "max_text_bytes": MAX_TEXT_BYTES,
+                 budget.PARAMETER: budget.DEFAULT}
+    for name, default in defaults.items():
+        said = rows[name][2]
+        assert str(default).lower() in said.replace(",", ""), f"{name}: default {default}, the table says {said}"
+
+
 @pytest.mark.parametrize("command, name", [("scripts/serve.sh", "scripts/serve.sh"),
                                            (str(Path(sys.executable).with_name("egemma-serve")), "egemma-serve")])
 def test_help_speaks_as_the_command_typed_in_groups(command, name):

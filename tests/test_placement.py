@@ -18,6 +18,7 @@ from egemma.ops.repository import REPO, render_repository
 from helpers import ROOT, text_input
 
 ENCODER = "embeddinggemma_encoder"
+PARAMETER = re.compile(r'parameters \{ key: "(\w+)" value: \{ string_value: "([^"]*)" \} \}')
 
 
 def _groups(repo):
@@ -80,6 +81,17 @@ def test_the_repository_counts_are_the_hosts_defaults():
     assert default_instances(False, 16, 1) == {ENCODER: 1, "embeddinggemma_tokenizer": 2}
 
 
+def test_the_repository_parameters_are_all_empty():
+    """Every model parameter of the shipped config.pbtxt files is empty: each default is defined once, in the code
+    that reads the parameter (egemma.engine.config.EngineConfig, egemma.engine.tokenizer, egemma.spec,
+    egemma.stub.budget), and a path never stands in a config Triton serves to any client. The keys stay: they show
+    what `--param` can set."""
+    texts = {c.parent.name: c.read_text() for c in REPO.glob("*/config.pbtxt")}
+    params = {(m, k): v for m, t in texts.items() for k, v in re.findall(PARAMETER, t)}
+    assert len(params) == sum(t.count("parameters {") for t in texts.values()) > 0  # every one read
+    assert {k: v for k, v in params.items() if v} == {}
+
+
 # ------------------------------------------------------------------------------ the adapter's initialize
 
 @pytest.fixture
@@ -106,7 +118,7 @@ def encoder_model(monkeypatch):
 def _args(repo, kind, device_id, name="embeddinggemma_encoder_0_0"):
     """What Triton's Python backend passes to initialize (every value a string)."""
     cfg = (repo / ENCODER / "config.pbtxt").read_text()
-    params = dict(re.findall(r'parameters \{ key: "(\w+)" value: \{ string_value: "([^"]*)" \} \}', cfg))
+    params = dict(PARAMETER.findall(cfg))
     return {"model_config": json.dumps({"name": ENCODER, "parameters": {k: {"string_value": v}
                                                                          for k, v in params.items()}}),
             "model_instance_kind": kind, "model_instance_device_id": str(device_id), "model_instance_name": name,

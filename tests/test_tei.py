@@ -10,6 +10,7 @@ import requests
 
 from helpers import GOOD, assert_close, assert_good_beside_bad, expected_ids, reference, st_embed_ids, st_model
 from test_openai import NAME, kserve, renorm
+from egemma.engine.config import EngineConfig
 
 pytestmark = pytest.mark.usefixtures("still_serving")
 
@@ -77,6 +78,8 @@ def test_info_health_metrics_embed_all(gateway):
     info = requests.get(f"{gateway.url}/info", timeout=10).json()
     assert info["model_id"] == NAME and info["max_input_length"] == 2048 and info["auto_truncate"] is True
     assert info["model_type"] == {"embedding": {"pooling": "mean"}} and info["max_client_batch_size"] == 2048
+    # the encoder's config.pbtxt leaves its parameters empty: /info gives the engine's one default
+    assert info["max_batch_tokens"] == EngineConfig.max_tokens and info["model_dtype"] == EngineConfig.dtype
     h = requests.get(f"{gateway.url}/health", timeout=10)
     assert h.status_code == 200 and h.content == b""
     met = requests.get(f"{gateway.url}/metrics", timeout=10)

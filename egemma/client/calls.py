@@ -16,7 +16,7 @@ import tritonclient.grpc.aio as grpcaio
 from tritonclient.utils import InferenceServerException
 
 from egemma.client.inputs import UsageError
-from egemma.spec import CHUNK_EMBEDDING, CHUNK_OF, CHUNK_SPAN, ENSEMBLE, NUM_TOKENS, OUTPUTS, TEXT
+from egemma.spec import CHUNK_EMBEDDING, CHUNK_OF, CHUNK_SPAN, ENSEMBLE, MAX_TEXT_BYTES, NUM_TOKENS, OUTPUTS, TEXT
 
 REFUSED = "StatusCode.INVALID_ARGUMENT"
 # Reconnect within a second or two of a restarted server listening again (gRPC's default backoff grows to 120 s);
@@ -148,10 +148,11 @@ class Server:
         return shapes.pop()
 
     async def max_text_bytes(self) -> int | None:
-        """The tokenizer's max_text_bytes from the first server's model config, None if it cannot be read."""
+        """The tokenizer's max_text_bytes from the first server's model config (empty there: the default,
+        MAX_TEXT_BYTES), None if it cannot be read."""
         try:
             cfg = await self.clients[0].get_model_config(f"{self.model}_tokenizer", as_json=True)
-            return int(cfg["config"]["parameters"]["max_text_bytes"]["string_value"])
+            return int(cfg["config"]["parameters"]["max_text_bytes"]["string_value"] or MAX_TEXT_BYTES)
         except (InferenceServerException, KeyError, ValueError):
             return None
 

@@ -1,6 +1,7 @@
 """The engine: a checkpoint's config and weights, the packed varlen Gemma3 encoder, the choice of its kernels
-(select, tuning), its CUDA graphs and the tokenizer. It imports nothing from egemma.stub, egemma.gateway or
-egemma.ops, so it runs and is tested without Triton."""
+(select, tuning), its CUDA graphs, the tokenizer, and the process's place on the host (process: cores, cache
+directory, boot log). It imports nothing from egemma.stub, egemma.gateway or egemma.ops, so it runs and is tested
+without Triton."""
 
 __all__ = ["Engine", "EngineConfig"]
 

@@ -1,7 +1,7 @@
-"""The engine's two configs, torch-free (the gateway reads them): EngineConfig, how one engine runs (every default
-of the encoder model's parameters, held here once), and ModelConfig, one per loaded checkpoint: Gemma3 shapes from
-config.json plus the sentence-transformers modules (pooling, Dense projector, Normalize, prompts, max_seq_length)
-from the files around it."""
+"""The engine's two configs, torch-free (the gateway reads them): ModelConfig, one per loaded checkpoint (Gemma3
+shapes from config.json plus the sentence-transformers modules: pooling, Dense projector, Normalize, prompts,
+max_seq_length, from the files around it), and EngineConfig, how the engine serves it, which holds every engine
+setting's one default (the encoder's config.pbtxt leaves them empty)."""
 from __future__ import annotations
 
 import json
@@ -150,6 +150,8 @@ def _sentence_transformers_modules(path: Path) -> dict:
 
 @dataclass(frozen=True)
 class EngineConfig:
+    """How the engine serves a checkpoint. The encoder's config.pbtxt parameters of the same names set it (empty:
+    the default here, the only copy)."""
     checkpoint: str
     device: str = "auto"  # "auto": the current CUDA device (cuda:N) when present, else cpu
     dtype: str = "auto"  # "auto": bfloat16 on cuda, float32 on cpu. fp16 overflows in Gemma3: refused.

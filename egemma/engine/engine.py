@@ -9,11 +9,11 @@ import time
 import numpy as np
 import torch
 
-from egemma.engine.cache import cache_dir
 from egemma.engine.config import EngineConfig, ModelConfig
 from egemma.engine.graphs import GraphRunner, bucket_sizes
 from egemma.engine.ids import problem
 from egemma.engine.model import Encoder, Packed
+from egemma.engine.process import cache_dir
 from egemma.engine import tuning
 from egemma.engine.select import ATTENTION_BACKENDS, Ops, attention_fn, available_attention_backends, build_ops
 from egemma.engine.windows import combine, normalized

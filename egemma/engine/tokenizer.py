@@ -15,13 +15,13 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
-from egemma.engine.cache import configured, unwritable
 from egemma.engine.chunker import Chunker
 from egemma.engine.config import ModelConfig
-from egemma.engine.cpus import usable_cores
+from egemma.engine.process import configured, unwritable, usable_cores
 from egemma.kernels import bpe
 
 TOKENIZER_BACKENDS = ("auto", "c", "tokenizers")
+DEFAULT_BACKEND = "auto"  # the tokenizer model's tokenizer_backend when its config.pbtxt leaves it empty
 C_PIECE_BYTES = 1024  # egemma/kernels/bpe.c's pieces: 512-1024 bytes were fastest on the GPU host
 
 log = logging.getLogger("egemma")
@@ -111,7 +111,7 @@ class PromptError(ValueError):
 
 
 class TextTokenizer:
-    def __init__(self, cfg: ModelConfig, tokenizer_json: str | None = None, backend: str = "auto",
+    def __init__(self, cfg: ModelConfig, tokenizer_json: str | None = None, backend: str = DEFAULT_BACKEND,
                  threads: int | None = None):
         """tokenizer_json: a file written from `resolved_tokenizer_json` (the server's launcher writes one from its
         cache); where it is missing, it is taken from the cache (cached_tokenizer_json; on a cold cache the launcher

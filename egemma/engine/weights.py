@@ -23,9 +23,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from egemma.engine import boot
-from egemma.engine.cache import configured, unwritable
+from egemma.engine import process
 from egemma.engine.config import CheckpointError, ModelConfig
+from egemma.engine.process import configured, unwritable
 
 log = logging.getLogger("egemma")
 
@@ -190,5 +190,5 @@ def load(c: ModelConfig, device, dtype) -> tuple[dict[str, torch.Tensor], dict[s
                 got, source = _build_and_save(c, dtype, p)
     g, stacked = got or fuse(c, dtype)
     g, stacked = {k: v.to(device) for k, v in g.items()}, {k: v.to(device) for k, v in stacked.items()}
-    boot.phase("weights", since=t0, source=source)
+    process.phase("weights", since=t0, source=source)
     return g, stacked

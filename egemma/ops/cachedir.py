@@ -1,4 +1,4 @@
-"""The deployment's cache directory as the launcher prepares it (--cache-dir, default egemma.engine.cache.cache_dir()):
+"""The deployment's cache directory as the launcher prepares it (--cache-dir, default egemma.engine.process.cache_dir()):
 exported to every process it starts as $EGEMMA_CACHE_DIR (the tuning file, the fused weights in the dtype served:
 egemma.engine.weights), with Triton-lang's compiled kernels under it ($TRITON_CACHE_DIR = <dir>/triton).
 
@@ -17,7 +17,7 @@ import os
 import shutil
 from pathlib import Path
 
-from egemma.engine.cache import ENV, unwritable
+from egemma.engine.process import ENV, unwritable
 
 MANIFEST = "triton-manifest.json"
 

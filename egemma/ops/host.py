@@ -1,6 +1,6 @@
 """What this host gives the server, read without importing torch: the GPUs CUDA will number (after
 CUDA_VISIBLE_DEVICES), and the instance counts that follow from them and from the CPU cores this process may use
-(egemma.engine.cpus.usable_cores: affinity and cgroup quota, as in a Kubernetes pod)."""
+(egemma.engine.process.usable_cores: affinity and cgroup quota, as in a Kubernetes pod)."""
 from __future__ import annotations
 
 import os

@@ -38,9 +38,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from egemma.engine.cache import cache_dir
 from egemma.engine.config import ModelConfig
-from egemma.engine.cpus import usable_cores
+from egemma.engine.process import cache_dir, usable_cores
 from egemma.ops import cachedir
 from egemma.ops.host import (CORES_PER_TOKENIZER, CPU_INSTANCES, ENCODERS_PER_GPU, TOKENIZERS_PER_GPU, parse_gpus,
                              visible_gpus)
@@ -49,7 +48,7 @@ from egemma.ops.repository import ROOT, path_env, resolve_checkpoint
 from egemma.ops.front import Front
 from egemma.ops.tritonserver import (ADMIN_APIS, ADMIN_HEADER, API_HEADER, HEARTBEATS, ServerConfig, TritonServer,
                                      free_port, gpu_host)
-from egemma.ops.watchdog import MAX_BUSY, Watchdog
+from egemma.ops.watchdog import MAX_BUSY, TOKENS_PER_MAX_BUSY, Watchdog
 from egemma.gateway import tracing
 from egemma.spec import EMBEDDING, ENCODER, ENSEMBLE, HUB_ID, TEXT, TOKENIZER
 from egemma.stub import budget
@@ -133,8 +132,8 @@ def parser() -> argparse.ArgumentParser:
                    help="restart the server when a canary inference fails or a model process dies (default on)")
     g.add_argument("--watchdog-max-busy", type=float, default=MAX_BUSY, metavar="SECONDS",
                    help="restart when one model instance is busy in one execute for this long (scaled up for "
-                        "batches over 131072 tokens), or canaries time out while the server is busy and no request "
-                        "completes for this long: a model is spinning (default 120)")
+                        f"batches over {TOKENS_PER_MAX_BUSY} tokens), or canaries time out while the server is busy "
+                        f"and no request completes for this long: a model is spinning (default {MAX_BUSY:g})")
     tracing.add_flags(ap.add_argument_group("observability"))
     return ap
 

@@ -19,8 +19,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from egemma.engine.cpus import usable_cores
-from egemma.engine.cache import configured
+from egemma.engine.process import configured, usable_cores
 from egemma.engine.tokenizer import cached_tokenizer_json, resolve_ahead
 from egemma.ops.host import default_instances
 from egemma.gateway.aioserver import exit_with_parent

@@ -42,7 +42,7 @@ from egemma.stub.instance import read_heartbeats
 
 TIMED_OUT = "canary timed out"
 IDLE_CPU = 0.05  # of a core: a stub in execute using less is blocked (Python waiting on nothing uses ~0)
-MAX_BUSY = 120.0  # s in one execute before a model counts as spinning (--watchdog-max-busy)
+MAX_BUSY = 120.0  # seconds (--watchdog-max-busy): one execute, or a busy server that completes nothing, that long
 TOKENS_PER_MAX_BUSY = 64 * 2048  # ~25 s on two cores: one execute of more tokens may take max_busy x its share
 
 

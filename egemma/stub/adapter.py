@@ -9,7 +9,7 @@ import os
 import time
 from typing import Any, Callable
 
-from egemma.engine import boot
+from egemma.engine import process
 from egemma.engine.config import CheckpointError
 from egemma.engine.tokenizer import PromptError
 from egemma.engine.windows import WindowError
@@ -25,12 +25,12 @@ def setup_logging():
 
 
 def boot_phases(engine):
-    """The boot phases inside Engine() after its weights (egemma.engine.boot): the kernels' JIT and timed choices,
+    """The boot phases inside Engine() after its weights (egemma.engine.process): the kernels' JIT and timed choices,
     then the CUDA graphs' capture, the last step of Engine() (its GraphRunner's capture_s)."""
     capture = engine.graphs.capture_s if engine.graphs is not None else 0.0
     end = time.time()
-    boot.phase("kernels", end=end - capture)
-    boot.phase("capture", end=end)
+    process.phase("kernels", end=end - capture)
+    process.phase("capture", end=end)
 
 
 def env_path(name: str) -> str:

@@ -21,7 +21,7 @@ _STAMP, _COUNT = struct.Struct("<d"), struct.Struct("<q")
 _TOKENS = 24  # offset of the tokens field
 
 
-def instance_device(args: dict, requested: str = "auto") -> str:
+def instance_device(args: dict, requested: str) -> str:
     """The device an encoder instance runs on. KIND_GPU: the GPU Triton assigned (model_instance_device_id), made
     the process's current CUDA device so that every kernel, stream and CUDA graph lands there. KIND_CPU: the CPU.
     A `device` parameter naming another device than the kind's is an error. Otherwise (KIND_MODEL): `requested`

@@ -114,7 +114,7 @@ def words(rng, n: int) -> str:
 
 def serving(checkpoint, tmp: Path, variants: dict, workloads: dict) -> dict:
     """{variant: {workload: perf_analyzer's result}}, one server a variant (ServerConfig fields), the same data."""
-    from pa import pa_data, perf_analyzer
+    from perf.lib.pa import pa_data, perf_analyzer
     from perf.lib.servers import triton
     log, out = open(tmp / "perf_analyzer.log", "w"), {}
     files = {}

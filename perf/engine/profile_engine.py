@@ -73,10 +73,10 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("checkpoint")
     ap.add_argument("--batch", action="append", default=None, help="NxL, repeatable")
-    ap.add_argument("--norm-backend", action="append", default=None, help="repeatable; default: all available")
+    ap.add_argument("--norm-backend", action="append", default=None, help="repeatable; default: the engine's")
     ap.add_argument("--trace-dir", help="where to write each graph's kernels, one replay (graph_NxL.txt)")
     a = ap.parse_args()
-    for backend in a.norm_backend or ["auto"]:
+    for backend in a.norm_backend or [EngineConfig.norm_backend]:
         profile_backend(a.checkpoint, backend, a.batch or ["8x2048", "64x128", "1x16"], a.trace_dir)
 
 

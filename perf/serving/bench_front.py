@@ -6,7 +6,7 @@ and the largest request the server takes (64 texts x 1 MB, over gRPC: over HTTP 
 across the models (Triton's statistics).
 
   python -m perf.serving.bench_front CHECKPOINT [--out DIR] [--n 2000] [--workers 1] [--big-rows 64]
-                                     [--big-bytes 1000000] [--api-key]
+                                     [--big-bytes MAX_TEXT_BYTES] [--api-key]
 
 --api-key: Triton and the gateway with an API key, as `--api-key` serves: direct queries send Triton's `api-key`
 header, the gateway's `Authorization: Bearer` (the lane checks it and adds Triton's header: its most work).
@@ -32,6 +32,7 @@ from egemma.engine.config import ModelConfig
 from egemma.engine.tokenizer import TextTokenizer
 from egemma.ops.front import Front
 from egemma.ops.tritonserver import free_port
+from egemma.spec import MAX_TEXT_BYTES
 from perf.lib.corpora import make_text, prose
 from perf.lib.pa import model_stats, stats_delta
 from perf.lib.servers import triton
@@ -112,7 +113,7 @@ def main():
     ap.add_argument("--n", type=int, default=2000, help="queries each way")
     ap.add_argument("--workers", type=int, default=1, help="gateway processes")
     ap.add_argument("--big-rows", type=int, default=64)
-    ap.add_argument("--big-bytes", type=int, default=1_000_000, help="bytes per row (max_text_bytes)")
+    ap.add_argument("--big-bytes", type=int, default=MAX_TEXT_BYTES, help="bytes per row (max_text_bytes)")
     ap.add_argument("--big-runs", type=int, default=3, help="0: no largest request")
     ap.add_argument("--api-key", action="store_true", help="serve and query with an API key")
     a = ap.parse_args()

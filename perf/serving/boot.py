@@ -1,7 +1,7 @@
 """Boot timeline of the launcher, cold then warm: `python -m egemma.ops.launcher` started with an empty --cache-dir,
 stopped (SIGTERM), started again on the same cache directory, stopped. For each start it prints the wall time from
 the launcher's process start to its `ready:` line, each model instance's phases from the `egemma boot:` lines of
-the server log (egemma.engine.boot: import, weights / tokenizer, kernels, capture, ready; when each started after
+the server log (egemma.engine.process: import, weights / tokenizer, kernels, capture, ready; when each started after
 the launcher's start, and how long it took, with the weights' source: checkpoint or cache), and the stop that
 followed (seconds from SIGTERM to exit, exit code, whether Triton waited out its exit timeout).
 
@@ -24,7 +24,7 @@ import threading
 import time
 from pathlib import Path
 
-from egemma.engine.boot import PREFIX
+from egemma.engine.process import PREFIX
 from egemma.ops.repository import ROOT
 from egemma.ops.tritonserver import free_port
 
@@ -60,7 +60,7 @@ def start(ckpt: Path, cache: Path, run_dir: Path, extra: list[str], timeout: flo
     ended.wait(timeout)
     ok = any(text.startswith("ready:") for _, text in lines)
     if not ok and proc.poll() is None:
-        # every stub prints its threads' stacks (egemma.engine.boot.begin) into the log before the stop
+        # every stub prints its threads' stacks (egemma.engine.process.begin) into the log before the stop
         subprocess.run(["pkill", "-USR1", "-f", "triton_python_backend_stub"], check=False)
         time.sleep(2)  # (not synchronisation: a margin for the stacks to reach the log)
     t_ready = time.time()

@@ -12,7 +12,7 @@ import time
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from egemma.engine import Engine, EngineConfig, boot
+from egemma.engine import Engine, EngineConfig, process
 from egemma.engine.windows import combine, split
 from egemma.stub import budget
 from egemma.stub.instance import Heartbeat, instance_device
@@ -26,11 +26,11 @@ from egemma.stub.adapter import Adapter, boot_phases, setup_logging, triton_para
 class TritonPythonModel:
     def initialize(self, args):
         setup_logging()
-        boot.begin(args["model_instance_name"])
+        process.begin(args["model_instance_name"])
         checkpoint, params = triton_params(args["model_config"])
         dims_spec = params.pop("matryoshka_dims", "")
         self.max_request_tokens = budget.limit(params.pop(budget.PARAMETER, ""))
-        params["device"] = instance_device(args, params.get("device", "auto"))
+        params["device"] = instance_device(args, params.get("device", EngineConfig.device))
         self.engine = Engine(EngineConfig.from_params(checkpoint, params))
         boot_phases(self.engine)
         logging.getLogger("egemma").info("egemma: encoder instance %s on %s", args["model_instance_name"],
@@ -45,8 +45,8 @@ class TritonPythonModel:
         self.needs_options = json.loads(args["model_config"]).get("response_cache", {}).get("enable", False)
         self.a = Adapter(pb_utils)
         self.seen = dict(self.engine.stats)
-        self.stats = instance_stats(args["model_instance_name"], STUB_FAMILIES)  # read by the gateway
-        boot.phase("ready")
+        self.stats = instance_stats(args["model_instance_name"], STUB_FAMILIES)  # histograms, read by the gateway
+        process.phase("ready")
 
     def _parse(self, req) -> tuple[RequestOptions, list[np.ndarray], list[int] | None]:
         """(options, the sequences to embed, the count of each row's sequences where a row is several windows)."""

@@ -9,14 +9,15 @@ import time
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from egemma.engine import boot
+from egemma.engine import process
 from egemma.engine.config import ModelConfig
-from egemma.engine.tokenizer import TextTokenizer
+from egemma.engine.tokenizer import DEFAULT_BACKEND, TextTokenizer
 from egemma.engine.windows import cut
 from egemma.stub import budget
 from egemma.stub.instance import Heartbeat
 from egemma.stub.metrics import STUB_FAMILIES, instance_stats
-from egemma.spec import CHUNK_SPAN, INPUT_IDS, OPTIONS, SEQ_LEN, TEXT, OptionError, RequestOptions, to_tensor
+from egemma.spec import (CHUNK_SPAN, INPUT_IDS, MAX_TEXT_BYTES, OPTIONS, SEQ_LEN, TEXT, OptionError, RequestOptions,
+                         to_tensor)
 from egemma.stub.options import allowed_dimensions, check_dimensions
 from egemma.stub.adapter import Adapter, setup_logging, triton_params
 
@@ -24,20 +25,21 @@ from egemma.stub.adapter import Adapter, setup_logging, triton_params
 class TritonPythonModel:
     def initialize(self, args):
         setup_logging()
-        boot.begin(args["model_instance_name"])
+        process.begin(args["model_instance_name"])
         checkpoint, params = triton_params(args["model_config"])
         self.cfg = ModelConfig.load(checkpoint)
-        self.tok = TextTokenizer(self.cfg, params.get("tokenizer_json"), params.get("tokenizer_backend", "auto"))
-        boot.phase("tokenizer", source=self.tok.source)
-        self.max_text_bytes = int(params.get("max_text_bytes", 1_000_000))
+        self.tok = TextTokenizer(self.cfg, params.get("tokenizer_json"),
+                                 params.get("tokenizer_backend", DEFAULT_BACKEND))
+        process.phase("tokenizer", source=self.tok.source)
+        self.max_text_bytes = int(params.get("max_text_bytes", MAX_TEXT_BYTES))
         self.max_request_tokens = budget.limit(params.get(budget.PARAMETER, ""))
         # checked here too, not only in the encoder: a request the ensemble refuses never reaches the encoder, whose
         # response cache would keep an error as an empty answer (Triton 2.51; tests/test_response_cache.py)
         self.dims = allowed_dimensions(params.get("matryoshka_dims", ""), self.cfg.out_dim)
         self.a = Adapter(pb_utils)
         self.beat = Heartbeat(args["model_instance_name"])
-        self.stats = instance_stats(args["model_instance_name"], STUB_FAMILIES)  # read by the gateway
-        boot.phase("ready")
+        self.stats = instance_stats(args["model_instance_name"], STUB_FAMILIES)  # histograms, read by the gateway
+        process.phase("ready")
 
     def _texts(self, req) -> tuple[list[str], RequestOptions, str]:
         opts = RequestOptions.parse(req.parameters())
