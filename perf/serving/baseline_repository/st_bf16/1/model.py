@@ -16,7 +16,11 @@ class TritonPythonModel:
         texts, spans = [], []
         for req in requests:
             rows = pb_utils.get_input_tensor_by_name(req, "TEXT_UTF8").as_numpy()
-            batch = [r.tobytes().rstrip(b"\0").decode("utf-8") for r in rows]
+            try:
+                batch = [r.tobytes().rstrip(b"\0").decode("utf-8") for r in rows]
+            except UnicodeDecodeError as e:  # seen on the GPU host only (perf/RESULTS.md, peers): say what came
+                raise ValueError(f"{e}; rows {rows.shape} {rows.dtype} strides {rows.strides}, the first bytes of "
+                                 f"each: {[bytes(r[:8]) for r in rows[:4]]}") from None
             spans.append((len(texts), len(texts) + len(batch)))
             texts.extend(batch)
         emb = self.model.encode(texts, batch_size=len(texts), convert_to_numpy=True).astype("float32")
