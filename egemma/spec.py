@@ -28,6 +28,9 @@ LONG_TEXT = ("truncate", "error", "chunk")  # what a text over the model's lengt
 # The longest text the tokenizer model takes, in UTF-8 bytes with its prompt, where its config.pbtxt leaves
 # max_text_bytes empty; the client checks it before sending. 1 MB is ~250k tokens, far past the 2048 embedded.
 MAX_TEXT_BYTES = 1_000_000
+# Texts one request to the ensemble (and the tokenizer model) may carry: their config.pbtxt's max_batch_size, which
+# Triton needs written there (tests/test_placement.py holds the two equal). The gateway splits larger requests.
+MAX_BATCH = 64
 
 
 # The paths a model reads where its config.pbtxt leaves the parameter empty, and the environment variable each comes

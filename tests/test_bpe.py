@@ -15,6 +15,7 @@ from helpers import ROOT, UNICODE, make_texts, wait_for
 from test_tokenizer import EDGE, ODD, glued_bpe
 from egemma.engine.chunker import Chunker
 from egemma.engine.config import ModelConfig
+from egemma.engine.process import cache_dir
 from egemma.engine.tokenizer import TextTokenizer, resolved_tokenizer_json
 from egemma.kernels import bpe
 
@@ -38,7 +39,7 @@ def with_bytes(raw: str) -> str:
 
 def c_bpe(raw: str, threads: int = 0) -> bpe.Bpe:
     d, tok = json.loads(raw), Tokenizer.from_str(raw)
-    return bpe.Bpe(d, bpe.added_ids(tok), Chunker(raw).glued, threads)
+    return bpe.Bpe(d, bpe.added_ids(tok), Chunker(raw).glued, threads, cache_dir())
 
 
 def tricky(raw: str, rng: random.Random, n: int) -> list[str]:
@@ -124,7 +125,7 @@ def test_refuses_what_it_does_not_reproduce(checkpoints, tmp_path):
         change(d)
         assert why in bpe.why_not(d)
         with pytest.raises(bpe.Unsupported, match=why):
-            bpe.Bpe(d, {}, set(), 0)
+            bpe.Bpe(d, {}, set(), 0, cache_dir())
     cfg = ModelConfig.load(checkpoints["eos"])
     d = json.loads(resolved_tokenizer_json(checkpoints["eos"]))
     d["model"]["vocab"]["<0xA9>▁"] = len(d["model"]["vocab"])  # a merge on a byte-fallback token: "é" is <0xC3><0xA9>
@@ -196,11 +197,12 @@ import json
 from tokenizers import Tokenizer
 from egemma.engine.chunker import Chunker
 from egemma.engine.tokenizer import resolved_tokenizer_json
+from egemma.engine.process import cache_dir
 from egemma.kernels import bpe
 raw = resolved_tokenizer_json({str(checkpoints["eos"])!r})
 d, added, glued = json.loads(raw), bpe.added_ids(Tokenizer.from_str(raw)), Chunker(raw).glued
 for _ in range(300):
-    bpe.Bpe(d, added, glued, 4)  # freed at once: no reference is kept
+    bpe.Bpe(d, added, glued, 4, cache_dir())  # freed at once: no reference is kept
 """
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -213,9 +215,7 @@ def test_library_is_built_only_into_a_directory_of_this_users_own(tmp_path, monk
     shared.mkdir()
     (shared / "egemma").mkdir(mode=0o777)
     os.chmod(shared / "egemma", 0o777)
-    monkeypatch.setenv("XDG_CACHE_HOME", str(shared))
-    assert bpe._cache_dir() != shared / "egemma"
+    assert bpe._lib_dir(shared / "egemma") != shared / "egemma"
     own = tmp_path / "own"
-    monkeypatch.setenv("XDG_CACHE_HOME", str(own))
-    assert bpe._cache_dir() == own / "egemma" and bpe.library()
+    assert bpe._lib_dir(own / "egemma") == own / "egemma" and bpe.library(own / "egemma")
     assert any(own.glob("egemma/bpe-*.so"))

@@ -15,9 +15,8 @@ import torch
 
 from egemma.ops.host import cuda_numbered, default_instances, parse_gpus, tokenizer_instances, visible_gpus
 from egemma.ops.repository import REPO, render_repository
+from egemma.spec import ENCODER, ENSEMBLE, MAX_BATCH, TOKENIZER
 from helpers import ROOT, text_input
-
-ENCODER = "embeddinggemma_encoder"
 PARAMETER = re.compile(r'parameters \{ key: "(\w+)" value: \{ string_value: "([^"]*)" \} \}')
 
 
@@ -79,6 +78,14 @@ def test_the_repository_counts_are_the_hosts_defaults():
     counts = {m: int(g.split("count: ")[1].split()[0]) for m, g in _groups(REPO).items()}
     assert counts == default_instances(True, 16, 1)
     assert default_instances(False, 16, 1) == {ENCODER: 1, "embeddinggemma_tokenizer": 2}
+
+
+def test_the_repository_batch_is_the_products():
+    """The ensemble's and the tokenizer's max_batch_size (Triton needs it written in config.pbtxt) are egemma.spec's
+    MAX_BATCH, which the gateway, the token budget and the client size themselves by."""
+    sizes = {c.parent.name: int(re.search(r"^max_batch_size: (\d+)", c.read_text(), re.M).group(1))
+             for c in REPO.glob("*/config.pbtxt")}
+    assert {m: n for m, n in sizes.items() if m != ENCODER} == {ENSEMBLE: MAX_BATCH, TOKENIZER: MAX_BATCH}
 
 
 def test_the_repository_parameters_are_all_empty():

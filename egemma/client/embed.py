@@ -20,7 +20,7 @@ from egemma.client.inputs import UsageError, input_format, open_input
 from egemma.client.outputs import Output
 from egemma.client.pipeline import BAD_ROWS, FAILED, INTERRUPTED, OK, USAGE, Run, pipeline
 from egemma.client.progress import Progress, si
-from egemma.spec import ENSEMBLE, OUTPUTS
+from egemma.spec import ENSEMBLE, MAX_BATCH, OUTPUTS
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -32,7 +32,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--field", "--column", default="text", help="JSONL field / Parquet column of the text (text)")
     ap.add_argument("--id-field", help="JSONL field / Parquet column kept as each row's id (rows always keep `line`)")
     ap.add_argument("--format", choices=("jsonl", "text", "parquet"), help="input format (default: from the name)")
-    ap.add_argument("--batch", type=int, default=32, help="texts a request, 1-64 (32)")
+    ap.add_argument("--batch", type=int, default=32, help=f"texts a request, 1-{MAX_BATCH} (32)")
     ap.add_argument("--inflight", type=int, default=16, help="requests in flight (16)")
     ap.add_argument("--prompt-name", help="e.g. document, query (default: the server's, no prompt)")
     ap.add_argument("--dimensions", type=int, help="Matryoshka truncation (default: the model's full width)")
@@ -52,8 +52,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--progress", choices=("auto", "bar", "log", "none"), default="auto")
     ap.add_argument("--summary-json", type=Path, help="also write the summary to this file as JSON")
     a = ap.parse_args(argv)
-    if not 1 <= a.batch <= 64:
-        ap.error("--batch must be 1-64 (the server's max_batch_size)")
+    if not 1 <= a.batch <= MAX_BATCH:
+        ap.error(f"--batch must be 1-{MAX_BATCH} (the server's max_batch_size)")
     if (a.chunk_overlap or a.chunks) and a.long_text != "chunk":
         ap.error("--chunk-overlap and --chunks apply to --long-text chunk")
     if a.inflight < 1 or a.row_group < 1:

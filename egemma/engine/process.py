@@ -7,8 +7,8 @@ environment, clock) and none of them knows the model: one module, below everythi
 pool and the instance counts (egemma.ops.host) are sized by it.
 
 **Cache directory.** One per deployment (`--cache-dir`, default ~/.cache/egemma), shared by every model instance,
-every restart and the launcher: the tuning file (egemma.engine.tuning), Triton-lang's compiled kernels, the weights
-in the dtype served. The launcher exports it as $EGEMMA_CACHE_DIR (ENV) to every process it starts.
+every restart and the launcher: the tuning file (egemma.engine.tuning), Triton-lang's compiled kernels, the compiled
+bpe.c, the weights in the dtype served. The launcher exports it as $EGEMMA_CACHE_DIR (ENV) to every process it starts.
 
 **Boot timeline.** One log line per phase of a model instance's boot, all with PREFIX, that perf/serving/boot.py
 reads back from the server's log. A phase line says when the phase ended (wall clock, comparable across the host's

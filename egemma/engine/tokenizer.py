@@ -17,7 +17,7 @@ from tokenizers import Tokenizer
 
 from egemma.engine.chunker import Chunker
 from egemma.engine.config import ModelConfig
-from egemma.engine.process import configured, unwritable, usable_cores
+from egemma.engine.process import cache_dir, configured, unwritable, usable_cores
 from egemma.kernels import bpe
 
 TOKENIZER_BACKENDS = ("auto", "c", "tokenizers")
@@ -148,7 +148,7 @@ class TextTokenizer:
         if not why:  # bpe.c cuts words where the chunker may: only with its cuts
             try:  # no truncation or padding, as above
                 self.bpe = bpe.Bpe({**d, "truncation": None, "padding": None}, bpe.added_ids(self.tok),
-                                   self.chunker.glued, usable_cores() - 1 if threads is None else threads)
+                                   self.chunker.glued, usable_cores() - 1 if threads is None else threads, cache_dir())
             except bpe.Unsupported as e:
                 why = str(e)
         if backend == "c" and why:

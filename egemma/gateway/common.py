@@ -12,7 +12,7 @@ from pathlib import Path
 from aiohttp import web
 
 from egemma.gateway.errors import GatewayError, Protocol, headers, render
-from egemma.spec import HUB_ID
+from egemma.spec import HUB_ID, MAX_BATCH
 
 DEFAULT_MAX_BODY = 3 << 20  # under the 4 MiB at which Triton 2.51's HTTP crashes on the GPU host
 HEALTH_MAX_AGE = 15.0  # s: the watchdog writes a verdict every ~2-7 s; an older one vouches for nothing
@@ -26,7 +26,7 @@ class Gateway:
     model_name: str = HUB_ID  # served model name for OpenAI / TEI
     aliases: tuple[str, ...] = ()
     max_body: int = DEFAULT_MAX_BODY  # bytes
-    max_batch: int = 64
+    max_batch: int = MAX_BATCH  # texts a call to Triton
     health_file: str | None = None
     triton_metrics: str | None = None  # host:port of Triton's metrics, for TEI's GET /metrics
     body_timeout: float = 60.0  # s for a request's whole body to arrive

@@ -72,20 +72,19 @@ def _own_dir(d: Path) -> bool:
     return stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o022
 
 
-def _cache_dir() -> Path:
-    try:
-        home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "egemma"
-    except RuntimeError:  # no HOME and no passwd entry
-        home = None
-    for d in (home, Path(tempfile.gettempdir()) / f"egemma-{os.getuid()}"):
+def _lib_dir(cache: Path | None) -> Path:
+    """cache (the deployment's cache directory, egemma.engine.process.cache_dir) if it is this user's own, else a
+    directory of the user's own under the temporary directory."""
+    for d in (cache, Path(tempfile.gettempdir()) / f"egemma-{os.getuid()}"):
         if d is not None and _own_dir(d):
             return d
     raise Unsupported("no cache directory of this user's own for the compiled library")
 
 
-def library() -> ctypes.CDLL:
-    """The compiled bpe.c, built now if this source was never built here with this compiler for this machine.
-    Unsupported when it cannot be: no compiler, no source (an install without it), a library that does not load."""
+def library(cache: Path | None) -> ctypes.CDLL:
+    """The compiled bpe.c, built now into cache (_lib_dir) if this source was never built there with this compiler
+    for this machine. Unsupported when it cannot be: no compiler, no source (an install without it), a library
+    that does not load."""
     cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if cc is None:
         raise Unsupported("no C compiler (cc) to build egemma/kernels/bpe.c")
@@ -94,7 +93,7 @@ def library() -> ctypes.CDLL:
     except OSError as e:
         raise Unsupported(f"no source to build: {e}") from None
     tag = hashlib.sha256(src + "\0".join((platform.machine(), os.path.realpath(cc), *CFLAGS)).encode()).hexdigest()
-    so = _cache_dir() / f"bpe-{tag[:16]}.so"
+    so = _lib_dir(cache) / f"bpe-{tag[:16]}.so"
     if not so.exists():
         fd, tmp = tempfile.mkstemp(dir=so.parent, prefix=so.name, suffix=".tmp")  # instances build at once
         os.close(fd)
@@ -123,10 +122,11 @@ def added_ids(tok) -> dict[str, int]:
 
 
 class Bpe:
-    def __init__(self, d: dict, added: dict[str, int], glued: set[str], threads: int):
+    def __init__(self, d: dict, added: dict[str, int], glued: set[str], threads: int, cache: Path | None):
         """d: a parsed tokenizer.json (why_not(d) is None); added: its added tokens' ids as tokenizers loads them
         (added_ids); glued: the characters after which a " " is no safe cut
-        (egemma.engine.chunker.Chunker.glued); threads: pool threads beside the calling one."""
+        (egemma.engine.chunker.Chunker.glued); threads: pool threads beside the calling one; cache: where the
+        compiled library is kept (library)."""
         if why := why_not(d):
             raise Unsupported(why)
         m = d["model"]
@@ -147,7 +147,7 @@ class Bpe:
         aid = np.array(list(added.values()), np.int32)
         g = np.array(sorted(map(ord, glued)), np.uint32)
         self.threads = threads
-        self.lib = library()
+        self.lib = library(cache)
         self.m = self.lib.bpe_new(cp.ctypes.data, byte.ctypes.data, merges.ctypes.data, len(merges),
                                   b"".join(contents), aoff.ctypes.data, aid.ctypes.data, len(added), g.ctypes.data,
                                   len(g), threads)

@@ -5,11 +5,11 @@ tokenizer model once it has tokenised a request, the encoder on its input ids. A
 before any of it is embedded (INVALID_ARG naming the limit: HTTP 400, TEI 422); the others in its batch are served."""
 from __future__ import annotations
 
-from egemma.spec import OptionError
+from egemma.spec import MAX_BATCH, OptionError
 
-# Twice the gateway's largest call (64 texts of 2048 tokens). One request of 256 x 2048 ids to the encoder, over it,
+# Twice the gateway's largest call (MAX_BATCH texts of 2048 tokens). One request of 256 x 2048 ids to the encoder, over it,
 # kept two CPU cores busy for ~6 minutes; on a GPU it is ~1 s, so a GPU server may raise the limit.
-DEFAULT = 2 * 64 * 2048
+DEFAULT = 2 * MAX_BATCH * 2048
 PARAMETER = "max_request_tokens"
 
 
