@@ -1,7 +1,7 @@
 """The gateway's fast lane: the KServe v2 requests almost every client sends (GET or POST of /v2/..., HTTP/1.1,
 plain headers, a Content-Length body within the limit) parsed here by an asyncio Protocol and passed to Triton as
 they came, its answer back byte for byte, instead of through aiohttp's request machinery (twice the added latency
-and CPU per proxied query: perf/RESULTS.md run 31). Every connection starts here; at the first request that is
+and CPU per proxied query: perf/RESULTS.md, "HTTP front"). Every connection starts here; at the first request that is
 anything else (chunked, compressed, Expect, percent-escapes, over-long or odd headers, the health routes, the
 OpenAI / TEI routes, another method or version) or that the gate refuses at its head (no API key, a body over the
 limit) the connection is handed, with every byte it has sent, to aiohttp's handler for good, which answers it as

@@ -149,8 +149,8 @@ class TritonServer:
         tokenizer_json = self.run_dir / "tokenizer.json"
         tokenizer_json.unlink(missing_ok=True)
         # With a cache directory, a miss is resolved into it on a thread of this process while the models load, not
-        # ahead of the whole boot (cold, the models began loading 16.9 s after the start, warm 2.4 s: run 124); the
-        # tokenizer model waits for it and writes the file.
+        # ahead of the whole boot, which it delayed by seconds (perf/RESULTS.md, "Boot"); the tokenizer model waits
+        # for it and writes the file.
         if (text := cached_tokenizer_json(checkpoint, resolve=configured() is None)) is not None:
             tokenizer_json.write_text(text)
         else:

@@ -5,7 +5,7 @@ every process of the host), and the tokens it embeds, into a 32-byte file of its
 $EGEMMA_HEARTBEAT_DIR/<instance name>.hb, that the watchdog (egemma.ops.watchdog) reads: an instance in one
 execute for long while its process uses no CPU is hung, and one busy in one execute for far longer than its batch
 takes is spinning, even when the other instances answer the canary. A stamp is one 8-byte store into a shared
-mmap, no system call (the execute path is hot: perf/RESULTS.md runs 95-98, 110). Without the variable (tritonserver started
+mmap, no system call (the execute path is hot). Without the variable (tritonserver started
 by hand) the stamps go to an anonymous map: the same code, watched by nobody."""
 from __future__ import annotations
 
