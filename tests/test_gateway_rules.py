@@ -11,7 +11,7 @@ from egemma.gateway.app import read_key
 from egemma.gateway.common import Gateway
 from egemma.gateway.errors import STATUS, GatewayError, Kind, Protocol, from_exception, protocol, raw, render
 from egemma.gateway.fastlane import parse_head
-from egemma.gateway.protocol import openai_input, options, tei_inputs
+from egemma.gateway.protocol import openai_embed, openai_input, options, tei_embed, tei_inputs
 from egemma.gateway.upstream import UpstreamError
 
 INFER = "/v2/models/embeddinggemma/infer"
@@ -243,13 +243,34 @@ def test_tei_input_rules():
 def test_options_are_checked_before_they_reach_triton():
     """tritonclient refuses a parameter of another type without a gRPC status: a client's mistake, so checked here."""
     assert options({"prompt_name": "query", "truncate": False, "dimensions": None}, ("prompt_name", "truncate",
-                                                                                      "dimensions"))[0] == \
+                                                                                      "dimensions")) == \
         {"prompt_name": "query", "truncate": False}
     for k, v in [("prompt_name", {}), ("prompt", ["x"]), ("truncate", {}), ("truncate", 1), ("dimensions", True),
                  ("dimensions", "32")]:
         with pytest.raises(GatewayError, match=k) as e:
             options({k: v}, (k,))
         assert e.value.kind is Kind.VALIDATION and e.value.param == k
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"input": [], "dimensions": "32"}, "dimensions"),  # every field's own check before the input's
+    ({"input": [], "chunk_overlap": 1}, "input"),  # the options' combination rules last
+    ({"input": ["a", ""], "truncate": False, "long_text": "chunk"}, "input"),
+    ({"input": [[1]], "prompt": "q", "chunk_overlap": 1}, "prompt"),  # a prompt with token ids before combinations
+    ({"input": "a", "chunk_overlap": 1}, None),
+])
+def test_a_body_with_several_bad_fields_is_told_of_the_first(body, param):
+    with pytest.raises(GatewayError) as e:
+        openai_embed(json.dumps(body).encode(), Gateway(triton_http="h:1", triton_grpc="h:2"))
+    assert e.value.param == param, e.value
+
+
+def test_tei_prompt_with_token_ids_is_refused_with_its_field():
+    """Before any embedding: TEI's truncation_direction=left note belongs to errors of inputs that need cutting."""
+    with pytest.raises(GatewayError, match=r"prompt_name applies to text inputs; with token ids, put the prompt's ids "
+                                           r"first$") as e:
+        tei_embed(json.dumps({"inputs": [[1, 2]], "prompt_name": "query", "truncation_direction": "left"}).encode())
+    assert e.value.param == "prompt_name" and e.value.kind is Kind.VALIDATION
 
 
 def test_the_key_file(tmp_path):

@@ -1,5 +1,5 @@
-"""What the gateway's route modules share: its state (Gateway, read as request.app[GW]), errors as answers, and the
-watchdog's verdict: a small JSON file the launcher's watchdog writes after every check and the health routes answer
+"""What the gateway's route modules share: its state (Gateway, read as request.app[GW]), JSON answers, errors as
+answers, and the watchdog's verdict: a small JSON file the launcher's watchdog writes after every check and the health routes answer
 with (Triton's own /v2/health/live stays 200 after a model process died, so it cannot be the liveness probe)."""
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import orjson
 from aiohttp import web
 
 from egemma.gateway.errors import GatewayError, Protocol, headers, render
@@ -53,6 +54,12 @@ class Gateway:
 
 
 GW = web.AppKey("gw", Gateway)
+
+
+def json_response(obj, status: int = 200) -> web.Response:
+    """orjson: fp32 arrays as their shortest round-trip decimals, ~15x faster than json with float lists."""
+    return web.Response(body=orjson.dumps(obj, option=orjson.OPT_SERIALIZE_NUMPY), status=status,
+                        content_type="application/json")
 
 
 REFUSED = "egemma_refused"  # an error answer's Kind, as the response's user data: counted by egemma.gateway.metrics

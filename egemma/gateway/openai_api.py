@@ -17,11 +17,16 @@ EOS last, or with truncate=false rejected, or with long_text=chunk windowed as a
 counts what was embedded (prompt, BOS, EOS, every window)."""
 from __future__ import annotations
 
+import base64
+import time
+
 from aiohttp import web
 
 from egemma.gateway import protocol, serving
 from egemma.gateway.admission import read_body
-from egemma.gateway.common import GW
+from egemma.gateway.common import GW, json_response
+
+_CREATED = int(time.time())
 
 
 async def embeddings(request: web.Request) -> web.Response:
@@ -29,19 +34,29 @@ async def embeddings(request: web.Request) -> web.Response:
     raw = await read_body(request, gw)
     req = protocol.openai_embed(raw, gw)
     emb, ntok = await serving.embed(request.app, req)
-    return protocol.openai_answer(gw, req, emb, ntok)
+    vecs = [base64.b64encode(e.astype("<f4").tobytes()).decode() for e in emb] if req.base64 else emb
+    tokens = int(ntok.sum())  # what was embedded: prompt, BOS, EOS, every window
+    return json_response({
+        "object": "list", "model": gw.model_name,
+        "data": [{"object": "embedding", "index": k, "embedding": v} for k, v in enumerate(vecs)],
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+
+
+def _model(gw, name: str, demo: bool) -> dict:
+    """OpenAI's Model object; `demo` (ours): true on a generated checkpoint with random weights."""
+    return {"id": name, "object": "model", "created": _CREATED, "owned_by": "egemma", "root": gw.model_name,
+            "demo": demo}
 
 
 async def models(request: web.Request) -> web.Response:
     gw, demo = request.app[GW], (await serving.facts(request.app)).cfg.demo
-    return protocol.json_response({"object": "list", "data": [protocol.openai_model(gw, n, demo)
-                                                              for n in (gw.model_name, *gw.aliases)]})
+    return json_response({"object": "list", "data": [_model(gw, n, demo) for n in (gw.model_name, *gw.aliases)]})
 
 
 async def model(request: web.Request) -> web.Response:
     gw, name = request.app[GW], request.match_info["id"]
     protocol.check_model(gw, name)
-    return protocol.json_response(protocol.openai_model(gw, name, (await serving.facts(request.app)).cfg.demo))
+    return json_response(_model(gw, name, (await serving.facts(request.app)).cfg.demo))
 
 
 ROUTES = [("POST", "/v1/embeddings", embeddings), ("GET", "/v1/models", models),

@@ -1,21 +1,19 @@
 """The bodies of the OpenAI and TEI embedding APIs, apart from their serving and their routes (as vLLM's protocol
 module): each API's schema read from the raw body into one Embed (JSON, the API's own fields, the request options by
-egemma.spec's one rule and parser), and the answers written. Every refusal is a GatewayError naming the field."""
+egemma.spec's one rule and parser), its fields checked in the order written here, so that a body with several bad
+fields is told of the first. Every refusal is a GatewayError naming the field."""
 from __future__ import annotations
 
-import base64
-import time
 from dataclasses import dataclass
 
 import numpy as np
 import orjson
-from aiohttp import web
 
 from egemma.gateway.errors import GatewayError, Kind
 from egemma.spec import DEFAULTS, OptionError, RequestOptions, check, to_tensor
 
 MAX_INPUTS = 2048  # inputs per HTTP request (OpenAI's own limit); the gateway splits them into calls of max_batch
-_CREATED = int(time.time())
+PROMPTS = ("prompt_name", "prompt")  # options that only a text's tokenization can apply
 
 
 @dataclass(frozen=True)
@@ -42,12 +40,6 @@ def read(raw: bytes) -> dict:
     return body
 
 
-def json_response(obj, status: int = 200) -> web.Response:
-    """orjson: fp32 arrays as their shortest round-trip decimals, ~15x faster than json with float lists."""
-    return web.Response(body=orjson.dumps(obj, option=orjson.OPT_SERIALIZE_NUMPY), status=status,
-                        content_type="application/json")
-
-
 def choice(body: dict, key: str, allowed: tuple[str, ...], default: str) -> str:
     """An API's own enum field: absent or null is the default, else one of allowed as a string (never "" or [] for
     the default)."""
@@ -67,10 +59,9 @@ def flag(body: dict, key: str, default: bool) -> bool:
     return v
 
 
-def options(body: dict, keys, derive=None) -> tuple[dict, RequestOptions, np.ndarray]:
+def options(body: dict, keys, derive=None) -> dict:
     """The request options among keys that body gives (null: not given), each by the one rule (egemma.spec.check),
-    then derive(params) (an API's own fields mapped onto options: TEI's truncate), then all of them parsed as the
-    models parse them: (Triton's request parameters, RequestOptions, their OPTIONS row)."""
+    then derive(params) (an API's own fields mapped onto options: TEI's truncate): Triton's request parameters."""
     params = {}
     for k in keys:
         if (v := body.get(k)) is None:
@@ -79,13 +70,24 @@ def options(body: dict, keys, derive=None) -> tuple[dict, RequestOptions, np.nda
             params[k] = check(k, v)
         except OptionError as e:
             raise GatewayError(Kind.VALIDATION, str(e), k) from None
-    if derive is not None:
-        params = derive(params)
+    return derive(params) if derive is not None else params
+
+
+def no_prompt_with_ids(items: list, params: dict):
+    """A prompt is applied by a text's tokenization: with token ids, the prompt's ids go first in the ids."""
+    if any(not isinstance(t, str) for t in items) and (p := next((k for k in PROMPTS if k in params), None)):
+        raise GatewayError(Kind.VALIDATION, f"{p} applies to text inputs; with token ids, put the prompt's ids "
+                                            "first", p)
+
+
+def parsed(params: dict) -> tuple[RequestOptions, np.ndarray]:
+    """The options as the models parse them (egemma.spec's one parser; its combination rules come after every field
+    check), and their OPTIONS row."""
     try:
         opts = RequestOptions.of(params) if params else DEFAULTS
     except OptionError as e:
         raise GatewayError(Kind.VALIDATION, str(e)) from None
-    return params, opts, to_tensor(opts, 1)
+    return opts, to_tensor(opts, 1)
 
 
 # OpenAI: POST /v1/embeddings, GET /v1/models[/{id}]
@@ -95,8 +97,7 @@ OPENAI_OPTIONS = ("dimensions", "prompt_name", "prompt", "truncate", "long_text"
 
 
 def openai_embed(raw: bytes, gw) -> Embed:
-    """POST /v1/embeddings's body (unknown fields are a 400, as OpenAI answers them); its fields are checked in the
-    order written here, so a body with several bad fields is told of the first."""
+    """POST /v1/embeddings's body (unknown fields are a 400, as OpenAI answers them)."""
     body = read(raw)
     unknown = sorted(set(body) - OPENAI_FIELDS)
     if unknown:
@@ -106,8 +107,11 @@ def openai_embed(raw: bytes, gw) -> Embed:
     b64 = choice(body, "encoding_format", ("float", "base64"), "float") == "base64"
     if body.get("user") is not None and not isinstance(body["user"], str):
         raise GatewayError(Kind.VALIDATION, f"user must be a string, got {body['user']!r}", "user")
-    params, opts, row = options(body, OPENAI_OPTIONS)
-    return Embed(openai_input(body.get("input")), params, opts, row, "input", base64=b64)
+    params = options(body, OPENAI_OPTIONS)
+    items = openai_input(body.get("input"))
+    no_prompt_with_ids(items, params)
+    opts, row = parsed(params)
+    return Embed(items, params, opts, row, "input", base64=b64)
 
 
 def check_model(gw, name) -> None:
@@ -152,22 +156,6 @@ def openai_input(x) -> list:
     return rows
 
 
-def openai_answer(gw, req: Embed, emb: np.ndarray, ntok: np.ndarray) -> web.Response:
-    """OpenAI's list of embeddings; usage counts what was embedded (prompt, BOS, EOS, every window)."""
-    vecs = [base64.b64encode(e.astype("<f4").tobytes()).decode() for e in emb] if req.base64 else emb
-    tokens = int(ntok.sum())
-    return json_response({
-        "object": "list", "model": gw.model_name,
-        "data": [{"object": "embedding", "index": k, "embedding": v} for k, v in enumerate(vecs)],
-        "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
-
-
-def openai_model(gw, name: str, demo: bool) -> dict:
-    """OpenAI's Model object; `demo` (ours): true on a generated checkpoint with random weights."""
-    return {"id": name, "object": "model", "created": _CREATED, "owned_by": "egemma", "root": gw.model_name,
-            "demo": demo}
-
-
 # TEI: POST /embed, POST /tokenize
 TEI_OPTIONS = ("prompt_name", "dimensions", "long_text", "chunk_overlap")
 
@@ -190,7 +178,9 @@ def tei_embed(raw: bytes) -> Embed:
         want = params.get("long_text", "truncate" if truncate else "error")
         want = "error" if want == "truncate" and left else want
         return params if want == params.get("long_text", "truncate") else {**params, "long_text": want}
-    params, opts, row = options(body, TEI_OPTIONS, long_text)
+    params = options(body, TEI_OPTIONS, long_text)
+    no_prompt_with_ids(items, params)
+    opts, row = parsed(params)
     return Embed(items, params, opts, row, "inputs", id_errors="token ids: ", left=left and truncate)
 
 
@@ -200,7 +190,7 @@ def tei_tokenize(raw: bytes) -> tuple[list[str], bool, dict]:
     texts = tei_inputs(body.get("inputs"), ids_ok=False)
     specials = flag(body, "add_special_tokens", True)
     truncate = flag(body, "truncate", True)
-    return texts, specials, {"truncate": truncate, **options(body, ("prompt_name",))[0]}
+    return texts, specials, {"truncate": truncate, **options(body, ("prompt_name",))}
 
 
 def tei_inputs(x, ids_ok: bool) -> list:

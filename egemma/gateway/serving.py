@@ -19,25 +19,21 @@ from egemma.gateway.protocol import Embed
 from egemma.spec import ENCODER, TOKENIZER
 from egemma.stub.adapter import triton_params
 
-PROMPTS = ("prompt_name", "prompt")  # options that only a text's tokenization can apply
-
 
 async def embed(app: web.Application, req: Embed) -> tuple[np.ndarray, np.ndarray]:
     """(embeddings [n, D] fp32, tokens embedded [n]: prompt, BOS, EOS, every window) of req.items, in order.
-    GatewayError(VALIDATION) on req.field, naming the input, for a token-id input the id rule refuses (an id outside
-    the vocabulary, too long with long_text=error, windows that cannot be made) or a prompt given with token ids."""
+    GatewayError(VALIDATION) on req.field, naming the input (its place among the token-id inputs), for a token-id
+    input the id rule refuses: an id outside the vocabulary, too long with long_text=error, windows that cannot be
+    made."""
     gw = app[GW]
     text_at = [j for j, t in enumerate(req.items) if isinstance(t, str)]
     ids_at = [j for j, t in enumerate(req.items) if not isinstance(t, str)]
-    if ids_at and (prompt := next((k for k in PROMPTS if k in req.params), None)):
-        raise GatewayError(Kind.VALIDATION, f"{prompt} applies to text inputs; with token ids, put the prompt's ids "
-                                            "first", prompt)
     cfg, seqs = (await facts(app)).cfg if ids_at else None, []
-    for j in ids_at:
+    for k, j in enumerate(ids_at):
         try:
             seqs.append(complete(req.items[j], cfg, req.opts.long_text, req.opts.chunk_overlap))
         except ValueError as e:
-            raise GatewayError(Kind.VALIDATION, f"{req.id_errors}input {j}: {e}", req.field) from None
+            raise GatewayError(Kind.VALIDATION, f"{req.id_errors}input {k}: {e}", req.field) from None
     emb, text_tokens = await calls.embed(gw, [req.items[j] for j in text_at], seqs, req.params, req.options)
     order = np.argsort(np.array(text_at + ids_at), kind="stable")
     ntok = np.concatenate([text_tokens, np.array([len(s) for s in seqs], dtype=text_tokens.dtype)])[order]

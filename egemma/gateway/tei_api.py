@@ -22,16 +22,14 @@ from __future__ import annotations
 import asyncio
 from importlib import metadata
 
-import numpy as np
 from aiohttp import web
 
 from egemma.engine.config import EngineConfig  # torch-free: the defaults of the encoder's parameters
 from egemma.gateway import calls, protocol, serving
 from egemma.gateway import metrics as gateway_metrics
 from egemma.gateway.admission import read_body
-from egemma.gateway.common import GW, readiness
+from egemma.gateway.common import GW, json_response, readiness
 from egemma.gateway.errors import GatewayError, Kind
-from egemma.gateway.protocol import json_response
 from egemma.gateway.upstream import Upstream
 from egemma.spec import ENSEMBLE
 
