@@ -66,7 +66,7 @@ async def embed(gw, texts: list[str], seqs: list[np.ndarray], params: dict,
     """(embeddings [len(texts) + len(seqs), D] fp32: the texts' through the ensemble, then those of complete id
     sequences (specials in place; with long_text=chunk, an input's windows) through the encoder; tokens embedded per
     text [len(texts)]). Inputs over gw.max_batch go out as several calls at once; options: the request's OPTIONS row
-(egemma.spec.to_tensor), which every id row goes with (the response cache keys on it)."""
+    (egemma.spec.to_tensor), which every id row goes with (the response cache keys on it)."""
     n = gw.max_batch
     todo = [(ENSEMBLE, [_text_input(texts[a:b])], _OUT_EMB_TOK) for a, b in _chunks(len(texts), n)] + [
         (ENCODER, _ids_inputs(seqs[a:b], options), _OUT_EMB) for a, b in _chunks(len(seqs), n)]

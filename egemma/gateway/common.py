@@ -1,6 +1,7 @@
 """What the gateway's route modules share: its state (Gateway, read as request.app[GW]), JSON answers, errors as
-answers, and the watchdog's verdict: a small JSON file the launcher's watchdog writes after every check and the health routes answer
-with (Triton's own /v2/health/live stays 200 after a model process died, so it cannot be the liveness probe)."""
+answers, and the watchdog's verdict: a small JSON file the launcher's watchdog writes after every check and the
+health routes answer with (Triton's own /v2/health/live stays 200 after a model process died, so it cannot be the
+liveness probe)."""
 from __future__ import annotations
 
 import json

@@ -10,7 +10,7 @@ import numpy as np
 import orjson
 
 from egemma.gateway.errors import GatewayError, Kind
-from egemma.spec import DEFAULTS, OptionError, RequestOptions, check, to_tensor
+from egemma.spec import OptionError, RequestOptions, check, to_tensor
 
 MAX_INPUTS = 2048  # inputs per HTTP request (OpenAI's own limit); the gateway splits them into calls of max_batch
 PROMPTS = ("prompt_name", "prompt")  # options that only a text's tokenization can apply
@@ -84,7 +84,7 @@ def parsed(params: dict) -> tuple[RequestOptions, np.ndarray]:
     """The options as the models parse them (egemma.spec's one parser; its combination rules come after every field
     check), and their OPTIONS row."""
     try:
-        opts = RequestOptions.of(params) if params else DEFAULTS
+        opts = RequestOptions.of(params)  # DEFAULTS for none
     except OptionError as e:
         raise GatewayError(Kind.VALIDATION, str(e)) from None
     return opts, to_tensor(opts, 1)

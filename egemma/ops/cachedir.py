@@ -1,6 +1,7 @@
-"""The deployment's cache directory as the launcher prepares it (--cache-dir, default egemma.engine.process.cache_dir()):
-exported to every process it starts as $EGEMMA_CACHE_DIR (the tuning file, the fused weights in the dtype served:
-egemma.engine.weights), with Triton-lang's compiled kernels under it ($TRITON_CACHE_DIR = <dir>/triton).
+"""The deployment's cache directory as the launcher prepares it (--cache-dir, default
+egemma.engine.process.cache_dir()): exported to every process it starts as $EGEMMA_CACHE_DIR (the tuning file, the
+fused weights in the dtype served: egemma.engine.weights), with Triton-lang's compiled kernels under it
+($TRITON_CACHE_DIR = <dir>/triton).
 
 A directory that cannot be written (read-only, full, not a directory) serves without caching, with a warning: what
 is there is still read (an image's pre-warmed cache), and Triton-lang, which must write what it compiles, gets a

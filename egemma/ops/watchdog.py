@@ -43,7 +43,8 @@ from egemma.stub.instance import read_heartbeats
 TIMED_OUT = "canary timed out"
 IDLE_CPU = 0.05  # of a core: a stub in execute using less is blocked (Python waiting on nothing uses ~0)
 MAX_BUSY = 120.0  # seconds (--watchdog-max-busy): one execute, or a busy server that completes nothing, that long
-TOKENS_PER_MAX_BUSY = MAX_BATCH * 2048  # a full batch of 2048-token texts, ~25 s on two cores: one execute of more tokens may take max_busy x its share
+# A full batch of 2048-token texts, ~25 s on two cores: one execute of more tokens may take max_busy x its share
+TOKENS_PER_MAX_BUSY = MAX_BATCH * 2048
 
 
 def canary(http_url: str, model: str = ENSEMBLE, timeout: float = 5.0,

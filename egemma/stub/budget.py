@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from egemma.spec import MAX_BATCH, OptionError
 
-# Twice the gateway's largest call (MAX_BATCH texts of 2048 tokens). One request of 256 x 2048 ids to the encoder, over it,
-# kept two CPU cores busy for ~6 minutes; on a GPU it is ~1 s, so a GPU server may raise the limit.
+# Twice the gateway's largest call (MAX_BATCH texts of 2048 tokens). One request of 256 x 2048 ids to the encoder,
+# over it, kept two CPU cores busy for ~6 minutes; on a GPU it is ~1 s, so a GPU server may raise the limit.
 DEFAULT = 2 * MAX_BATCH * 2048
 PARAMETER = "max_request_tokens"
 
