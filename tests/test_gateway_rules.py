@@ -306,3 +306,33 @@ def test_the_retry_rule():
                     (b"HTTP/1.1 400 Bad Request\r\n\r\n{}", 400, {}, 28), (500, {}, b'{"error":"other"}'),
                     (200, {}, dead.encode())):
         assert not restarting(outcome), outcome
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+@pytest.mark.parametrize("lost", [False, True])  # connection_lost not yet run / already run
+def test_a_request_on_a_connection_closed_before_it_went_out_is_answered(loop, lost):
+    """Triton killed between the gateway's connect and its send (a restart): the request gets an UpstreamError,
+    which the gateway retries, never silence (a KServe request through the fast lane once waited for its client's
+    timeout: uvloop raised on the write, in a task nobody awaited)."""
+    import asyncio
+    from egemma.gateway.upstream import _Conn
+    policy = asyncio.DefaultEventLoopPolicy() if loop == "asyncio" else pytest.importorskip("uvloop").EventLoopPolicy()
+
+    async def run():
+        server = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        _, conn = await asyncio.get_running_loop().create_connection(_Conn, "127.0.0.1", port)
+        conn.transport.close()
+        if lost:  # connection_lost is called soon after close: let it run
+            for _ in range(100):
+                if conn.closed:
+                    break
+                await asyncio.sleep(0)
+            assert conn.closed
+        got = []
+        conn.start(b"GET /v2/health/ready HTTP/1.1\r\nHost: x\r\n\r\n", got.append)
+        server.close()
+        return got
+    with asyncio.Runner(loop_factory=policy.new_event_loop) as runner:
+        got = runner.run(run())
+    assert len(got) == 1 and isinstance(got[0], UpstreamError), got

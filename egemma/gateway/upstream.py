@@ -75,7 +75,12 @@ class _Conn(asyncio.Protocol):
         return res
 
     def start(self, data: bytes, callback):
+        """Send a request; callback gets its answer or an UpstreamError, once. A connection that closed before the
+        request went out (Triton killed between connect and send, or while idle) answers at once: uvloop raises on a
+        write to it and asyncio drops the bytes, and either way connection_lost has come or never comes again."""
         self.callback, self.got_data = callback, False
+        if self.closed or self.transport.is_closing():
+            return self._finish(UpstreamError("Triton closed the connection before the request was sent"))
         self.transport.write(data)
 
 
