@@ -12,21 +12,12 @@ own trace the same way; those that send none are not traced.
 
 Sampling: --otlp-sample-ratio of the new traces (default 1), a client's sampled flag kept (parent-based). Spans
 are batched and sent on a thread of their own (OTLP/HTTP protobuf to <endpoint>/v1/traces); an endpoint that
-cannot be reached loses spans, never a request, and is logged once. Off, the request path pays one `is None`.
-
-Triton never exports to the collector itself: it exports to a `Relay` in the process that runs it, which answers at
-once and sends the spans on. Triton 2.51's exporter (opentelemetry-cpp) crashes the server, SIGSEGV, at random
-moments while its exports fail (a collector down or unreachable; triton-inference-server/server#6202 and #7795;
-tests/test_tracing.py reached it in seconds of traced load), so no failed export may happen inside Triton."""
+cannot be reached loses spans, never a request, and is logged once. Off, the request path pays one `is None`."""
 from __future__ import annotations
 
-import http.server
 import logging
-import queue
 import re
-import threading
 import time
-import urllib.request
 from urllib.parse import urlsplit
 
 log = logging.getLogger("egemma.gateway")
@@ -60,80 +51,13 @@ def traces_url(endpoint: str) -> str:
     return endpoint if urlsplit(endpoint).path.rstrip("/") else endpoint.rstrip("/") + "/v1/traces"
 
 
-def triton_args(relay: str) -> list[str]:
-    """tritonserver's flags to export its spans of the requests that carry a trace context to relay (Relay.url)."""
+def triton_args(endpoint: str | None) -> list[str]:
+    """tritonserver's flags to export its spans of the requests that carry a trace context to endpoint."""
+    if not endpoint:
+        return []
     return [f"--trace-config={c}" for c in (
-        "mode=opentelemetry", f"opentelemetry,url={relay}", "rate=0", "count=-1", "level=TIMESTAMPS",
+        "mode=opentelemetry", f"opentelemetry,url={traces_url(endpoint)}", "rate=0", "count=-1", "level=TIMESTAMPS",
         "opentelemetry,resource=service.name=egemma-triton", "opentelemetry,bsp_schedule_delay=1000")]
-
-
-class Loss:
-    """Says through say that spans to target are lost, once, and again only after they reached it meanwhile."""
-
-    def __init__(self, target: str, say):
-        self.target, self.say, self.failing, self.lock = target, say, False, threading.Lock()
-
-    def __call__(self, why: str | None):
-        """why: the reason a batch of spans was lost; None: a batch was delivered."""
-        with self.lock:
-            said, self.failing = self.failing, why is not None
-        if why is not None and not said:
-            self.say(f"tracing: spans to {self.target} are lost: {why} (said once)")
-
-
-class Relay:
-    """Triton's OTLP endpoint on loopback (see the module's docstring for why): each batch of spans is answered at
-    once and sent on to endpoint from a thread of its own, in order; a batch that cannot be sent, or finds QUEUE
-    batches waiting, is lost (said once through say). `url` is what triton_args takes; close() ends it."""
-    QUEUE = 64  # about a minute of Triton's batches (one a second): a collector that slow loses spans
-
-    def __init__(self, endpoint: str, say):
-        self.target, self.batches = traces_url(endpoint), queue.Queue(self.QUEUE)
-        self.lost = Loss(self.target, say)
-        batches, lost = self.batches, self.lost
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"  # Triton's exporter keeps its connection
-
-            def do_POST(self):
-                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                try:
-                    batches.put_nowait((body, self.headers.get("Content-Type", "application/json")))
-                except queue.Full:
-                    lost(f"{Relay.QUEUE} batches wait for it")
-                self.send_response(200)
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-
-            def log_message(self, *a):
-                pass
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1/traces"
-        threading.Thread(target=self.server.serve_forever, name="span-relay", daemon=True).start()
-        threading.Thread(target=self._send, name="span-relay-send", daemon=True).start()
-
-    def _send(self):
-        while (batch := self.batches.get()) is not None:
-            body, kind = batch
-            try:
-                with urllib.request.urlopen(urllib.request.Request(
-                        self.target, body, {"Content-Type": kind}), timeout=5) as r:
-                    r.read()
-                self.lost(None)
-            except Exception as e:  # unreachable, refused, or not 2xx (HTTPError): the batch is lost
-                self.lost(f"{type(e).__name__}: {e}")
-
-    def close(self):
-        """Stop answering; batches not yet sent are lost."""
-        self.server.shutdown()
-        self.server.server_close()
-        while True:  # make room for the sender's end mark
-            try:
-                self.batches.get_nowait()
-            except queue.Empty:
-                break
-        self.batches.put(None)
 
 
 class Tracing:
@@ -148,7 +72,8 @@ class Tracing:
         from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 
         class Exporter(OTLPSpanExporter):
-            """Spans to the collector; their loss said once (Loss)."""
+            """Spans to the collector; a failure to reach it logged once (until it is reached again)."""
+            failing = False
 
             def export(self, spans):
                 try:
@@ -157,10 +82,11 @@ class Tracing:
                     res, why = SpanExportResult.FAILURE, f"{type(e).__name__}: {e}"
                 else:
                     why = "the collector refused them"
-                lost(why if res is SpanExportResult.FAILURE else None)
+                if res is SpanExportResult.FAILURE and not self.failing:
+                    log.warning("tracing: spans to %s are lost: %s (said once)", self._endpoint, why)
+                self.failing = res is SpanExportResult.FAILURE
                 return res
 
-        lost = Loss(traces_url(endpoint), log.warning)
         logging.getLogger("opentelemetry.exporter.otlp.proto.http").setLevel(logging.CRITICAL)  # said above
         self.provider = TracerProvider(resource=Resource.create({"service.name": SERVICE}),
                                        sampler=ParentBased(TraceIdRatioBased(ratio)))

@@ -200,10 +200,10 @@ def start(a: argparse.Namespace) -> Running:
     # one port for every restart (the gateway's upstream), none of those asked for
     internal = a.triton_http_port or free_port(avoid={a.http_port, a.grpc_port, a.metrics_port, a.openai_port})
 
-    config = ServerConfig(ckpt, a.host, internal, a.grpc_port, a.metrics_port, a.run_dir, a.param, admin_key=key,
+    config = ServerConfig(ckpt, a.host, internal, a.grpc_port, a.metrics_port, a.run_dir, a.param,
+                          tuple(tracing.triton_args(a.otlp_endpoint)), admin_key=key,
                           exit_timeout_secs=a.exit_timeout_secs, instances=a.instances, gpus=a.gpus,
-                          http_host="127.0.0.1", api_key=api_key, response_cache_mb=a.response_cache_mb,
-                          otlp_endpoint=a.otlp_endpoint)
+                          http_host="127.0.0.1", api_key=api_key, response_cache_mb=a.response_cache_mb)
 
     def server():
         return TritonServer(config, cancel=stopping)

@@ -23,7 +23,6 @@ from egemma.engine.process import configured, usable_cores
 from egemma.engine.tokenizer import cached_tokenizer_json, resolve_ahead
 from egemma.ops.host import default_instances
 from egemma.gateway.aioserver import exit_with_parent
-from egemma.gateway.tracing import Relay, triton_args
 from egemma.ops import shm
 from egemma.ops.procfs import end_group, wait_exit, wait_up
 from egemma.ops.repository import REPO, path_env, render_repository
@@ -47,6 +46,9 @@ DRAINED = b"All models are stopped, unloading models"
 # flag stops, Triton 2.51's CUDA block manager and an ensemble's CUDA stream failing, is dropped from the log there.
 CPU_ARGS = ("--pinned-memory-pool-byte-size=0", "--cuda-memory-pool-byte-size=0:0", "--allow-gpu-metrics=false")
 CPU_NOISE = (b'"CudaDriverHelper has not been initialized."', b'"unable to create stream for ')
+# Triton's OpenTelemetry exporter logs two lines per batch of spans it fails to send (--otlp-endpoint unreachable):
+# the first one is passed on, the rest dropped; spans are lost, requests are not.
+OTLP_ERROR = b"[OTLP HTTP Client]"
 HEARTBEATS = "heartbeat"  # the run directory's folder of the instances' heartbeats and stats (egemma.stub)
 
 
@@ -105,9 +107,7 @@ class ServerConfig:
     can crash it). admin_key: ADMIN_HEADER's value (None: a random one, so the admin APIs are never open by
     accident). api_key: what inference requires (API_HEADER), on both of Triton's ports; None: open.
     response_cache_mb: Triton's response cache of that many MiB for the encoder
-    (egemma.ops.repository.render_repository). run_dir: None: a new temporary directory. otlp_endpoint: the
-    OpenTelemetry collector Triton's spans go to, through a Relay of this process (egemma.gateway.tracing); None:
-    Triton traces nothing."""
+    (egemma.ops.repository.render_repository). run_dir: None: a new temporary directory."""
     checkpoint: Path
     host: str = "127.0.0.1"
     http_port: int = 8000
@@ -126,7 +126,6 @@ class ServerConfig:
     http_host: str | None = None
     api_key: str | None = None
     response_cache_mb: int = 0
-    otlp_endpoint: str | None = None
 
 
 class TritonServer:
@@ -168,8 +167,6 @@ class TritonServer:
         shutil.rmtree(self.heartbeat_dir, ignore_errors=True)
         self.heartbeat_dir.mkdir()
         binary, backends = find_tritonserver()
-        self.log_file = log_file
-        self.relay = Relay(cfg.otlp_endpoint, self._say) if cfg.otlp_endpoint else None
         self.shm_prefix = shm.new_prefix()
         self.cmd = [str(binary), f"--model-repository={self.repo}", f"--backend-directory={backends}",
                     "--model-control-mode=none", "--exit-on-error=true", "--strict-readiness=true",
@@ -186,7 +183,6 @@ class TritonServer:
                     *(() if gpu_host() else CPU_ARGS),
                     *(self._cache_args(cfg.response_cache_mb, Path(backends).parent)
                       if cfg.response_cache_mb > 0 else []),
-                    *(triton_args(self.relay.url) if self.relay else []),
                     *cfg.extra_args]
         env = {**os.environ, **self.path_env, HEARTBEAT_DIR: str(self.heartbeat_dir)}
         # The stub runs the Python whose bin is first on PATH: this one, or $TRITON_STUB_PATH (a numpy<2 venv).
@@ -197,6 +193,7 @@ class TritonServer:
         libdir = sysconfig.get_config_var("LIBDIR")
         if libdir and list(Path(libdir).glob("libpython3*.so*")):
             env["LD_LIBRARY_PATH"] = f"{libdir}{os.pathsep}{env.get('LD_LIBRARY_PATH', '')}".rstrip(os.pathsep)
+        self.log_file = log_file
         self.drained = threading.Event()  # Triton logged DRAINED: every request is answered
         # No orphans: the server gets SIGKILL when its owner dies without stopping it (a test session killed, a
         # script under `timeout`), and a guard then ends its stubs and removes its shared memory (egemma.ops.shm)
@@ -214,26 +211,24 @@ class TritonServer:
             raise
 
     def _pump(self):
-        """Triton's output (its stubs' too) on to log_file (default: this process's stdout), watched for DRAINED;
-        CPU_NOISE dropped on a CPU host."""
+        """Triton's output (its stubs' too) on to log_file (default: this process's stdout), watched for DRAINED; a
+        failure to export spans said once (OTLP_ERROR), CPU_NOISE dropped on a CPU host."""
+        sink, otlp_said = self.log_file or sys.stdout, False
         noise = () if gpu_host() else CPU_NOISE
         for line in iter(self.proc.stdout.readline, b""):
             if DRAINED in line:
                 self.drained.set()
-            if not any(n in line for n in noise):
-                self._write(line)
-
-    def _say(self, message: str):
-        """A line of this process's own (the relay's) among Triton's."""
-        self._write(f"egemma: {message}\n".encode())
-
-    def _write(self, line: bytes):
-        sink = self.log_file or sys.stdout
-        try:
-            sink.write(line.decode(errors="replace") if hasattr(sink, "encoding") else line)
-            sink.flush()
-        except (OSError, ValueError):  # the sink is closed: keep reading, or Triton would block on its pipe
-            pass
+            if any(n in line for n in noise):
+                continue
+            if OTLP_ERROR in line:
+                if otlp_said:
+                    continue
+                otlp_said, line = True, line.rstrip(b"\n") + b" (said once: its spans are lost, requests are not)\n"
+            try:
+                sink.write(line.decode(errors="replace") if hasattr(sink, "encoding") else line)
+                sink.flush()
+            except (OSError, ValueError):  # the sink is closed: keep reading, or Triton would block on its pipe
+                pass
 
     @staticmethod
     def _cache_args(mb: int, root: Path) -> list[str]:
@@ -275,9 +270,6 @@ class TritonServer:
         """SIGKILL the server's process group, also when the server itself already exited (its stubs may outlive
         it, holding memory and a CUDA context), wait until none of it is left, then remove its shared-memory
         regions (egemma.ops.shm)."""
-        if self.relay:
-            self.relay, relay = None, self.relay
-            relay.close()
         if left := end_group(self.proc, signal.SIGKILL, timeout, timeout):
             print(f"egemma: processes {left} of tritonserver {self.proc.pid}'s group outlived SIGKILL for "
                   f"{timeout:g}s; its shared memory stays", file=sys.stderr, flush=True)
