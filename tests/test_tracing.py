@@ -15,7 +15,7 @@ import pytest
 import requests
 import tritonclient.grpc as grpcclient
 
-from helpers import text_input, wait_for
+from helpers import Launcher, argv, text_input, wait_for
 from rawhttp import INFER, start_front, text_request
 
 pb = pytest.importorskip("opentelemetry.proto.collector.trace.v1.trace_service_pb2")
@@ -225,7 +225,33 @@ def test_triton_says_once_that_its_collector_is_unreachable(start_server, tmp_pa
         assert c.infer("embeddinggemma", [text_input(["x"])], headers={"traceparent": tp}).as_numpy("EMBEDDING").size
         return "its spans are lost" in log.read_text()
     wait_for(served, 60, "Triton to say its spans are lost")
-    end = time.monotonic() + 3  # a few more export rounds (one a second) of spans that cannot go out
-    while time.monotonic() < end:
-        served()
+    # a few more export rounds (one a second) of spans that cannot go out, at wait_for's pace: traced load crashes
+    # Triton 2.51 (docs/observability.md), so a few dozen requests, not hundreds
+    end = time.monotonic() + 3
+    wait_for(lambda: served() and time.monotonic() > end, 30, "three more export rounds")
     assert log.read_text().count("OTLP HTTP Client") == 1, log.read_text()[-3000:]
+
+
+@pytest.mark.parametrize("triton_spans", [False, True], ids=["default", "otlp-triton-spans"])
+def test_launcher_traces_triton_only_when_asked(checkpoints, tmp_path, triton_spans):
+    """The launcher with --otlp-endpoint: the gateway's span of a request arrives; Triton runs with a trace config,
+    and its spans of that request arrive, only with --otlp-triton-spans (traced load crashes Triton 2.51)."""
+    recv, ports = Receiver(), [free_port() for _ in range(4)]
+    la = Launcher([sys.executable, "-m", "egemma.ops.launcher", "--model", checkpoints["eos"], "--run-dir",
+                   tmp_path / "run", "--http-port", ports[0], "--grpc-port", ports[1], "--metrics-port", ports[2],
+                   "--triton-http-port", ports[3], "--gateway-workers", "1", "--otlp-endpoint", recv.url,
+                   *(["--otlp-triton-spans"] if triton_spans else [])], tmp_path / "launcher")
+    try:
+        wait_for(lambda: "ready:" in la.stdout.read_text() or la.proc.poll() is not None, 300, "the launcher")
+        assert la.proc.poll() is None, la.stderr.read_text()[-3000:]
+        trace_id = os.urandom(16).hex()
+        r = requests.post(f"http://127.0.0.1:{ports[0]}/v1/embeddings", json={"input": "x"}, timeout=60,
+                          headers={"traceparent": f"00-{trace_id}-{os.urandom(8).hex()}-01"})
+        assert r.status_code == 200, r.text
+        traced = any(a.startswith("--trace-config") for a in argv(la.server_pid()))
+        assert traced == triton_spans
+        services = {"egemma-gateway", "egemma-triton"} if triton_spans else {"egemma-gateway"}
+        wait_for(lambda: {svc for svc, _ in recv.trace(trace_id)} >= services, 60, f"spans of {services}")
+    finally:
+        la.close()
+        recv.server.shutdown()

@@ -3,12 +3,15 @@
 The gateway takes a client's W3C `traceparent` (a malformed one is ignored: a new trace starts), starts a SERVER span
 per request (route, the served model, texts, tokens, status; never a request's text) and passes its context to
 Triton in `traceparent`: gRPC metadata on the OpenAI / TEI routes, the HTTP header on the KServe proxy and fast lane.
-Triton 2.51 (the nvidia-pytriton wheel's build has OpenTelemetry; tests/test_tracing.py receives its spans) is
-started with `triton_args`: OpenTelemetry mode, rate 0, so that it traces exactly the requests that carry a
-context (Triton traces every request with a propagated context, whatever its sampled flag; the gateway passes
-one only for the requests it samples), and records the ensemble's request, each model's step with its queue, and
-the compute, under the gateway's span. gRPC clients that send `traceparent` metadata to Triton directly join their
-own trace the same way; those that send none are not traced.
+With --otlp-triton-spans, Triton 2.51 (the nvidia-pytriton wheel's build has OpenTelemetry; tests/test_tracing.py
+receives its spans) is started with `triton_args`: OpenTelemetry mode, rate 0, so that it traces exactly the
+requests that carry a context (Triton traces every request with a propagated context, whatever its sampled flag;
+the gateway passes one only for the requests it samples), and records the ensemble's request, each model's step
+with its queue, and the compute, under the gateway's span. gRPC clients that send `traceparent` metadata to
+Triton directly join their own trace the same way; those that send none are not traced. It is off by default
+because traced load crashes Triton 2.51: it can free a traced request's trace while the trace of one of its
+ensemble's steps still holds that trace's mutex (TraceManager::TraceRelease; fixed in Triton 2.57 by
+triton-inference-server/server#8144); the more traced requests a second, the sooner (docs/observability.md).
 
 Sampling: --otlp-sample-ratio of the new traces (default 1), a client's sampled flag kept (parent-based). Spans
 are batched and sent on a thread of their own (OTLP/HTTP protobuf to <endpoint>/v1/traces); an endpoint that
@@ -25,13 +28,19 @@ SERVICE = "egemma-gateway"
 _TRACEPARENT = re.compile(rb"\r\ntraceparent:[^\r]*", re.I)
 
 
-def add_flags(ap):
-    """--otlp-endpoint and --otlp-sample-ratio (the gateway's and the launcher's, which passes them on)."""
+def add_flags(ap, triton: bool = False):
+    """--otlp-endpoint and --otlp-sample-ratio (the gateway's and the launcher's, which passes them on); triton: also
+    --otlp-triton-spans (the launcher's, which starts Triton)."""
     ap.add_argument("--otlp-endpoint", metavar="URL",
                     help="OpenTelemetry collector, OTLP/HTTP (e.g. http://127.0.0.1:4318): a span per request at the "
-                         "gateway and Triton's spans under it (default: off)")
+                         "gateway (default: off)")
     ap.add_argument("--otlp-sample-ratio", type=_ratio, default=1.0, metavar="R",
                     help="share of new traces sampled, 0 to 1 (default 1; a client's sampled traceparent is kept)")
+    if triton:
+        ap.add_argument("--otlp-triton-spans", action="store_true",
+                        help="with --otlp-endpoint, Triton's own spans too (its request, the ensemble, each model's "
+                             "queue and compute) under the gateway's. Off by default: traced load crashes Triton "
+                             "2.51 (docs/observability.md); for a debugging session, with a low sample ratio")
 
 
 def _ratio(v: str) -> float:

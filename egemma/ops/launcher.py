@@ -134,7 +134,7 @@ def parser() -> argparse.ArgumentParser:
                    help="restart when one model instance is busy in one execute for this long (scaled up for "
                         f"batches over {TOKENS_PER_MAX_BUSY} tokens), or canaries time out while the server is busy "
                         f"and no request completes for this long: a model is spinning (default {MAX_BUSY:g})")
-    tracing.add_flags(ap.add_argument_group("observability"))
+    tracing.add_flags(ap.add_argument_group("observability"), triton=True)
     return ap
 
 
@@ -201,7 +201,7 @@ def start(a: argparse.Namespace) -> Running:
     internal = a.triton_http_port or free_port(avoid={a.http_port, a.grpc_port, a.metrics_port, a.openai_port})
 
     config = ServerConfig(ckpt, a.host, internal, a.grpc_port, a.metrics_port, a.run_dir, a.param,
-                          tuple(tracing.triton_args(a.otlp_endpoint)), admin_key=key,
+                          tuple(tracing.triton_args(a.otlp_endpoint if a.otlp_triton_spans else None)), admin_key=key,
                           exit_timeout_secs=a.exit_timeout_secs, instances=a.instances, gpus=a.gpus,
                           http_host="127.0.0.1", api_key=api_key, response_cache_mb=a.response_cache_mb)
 
@@ -248,7 +248,8 @@ def report(r: Running):
     """The ready banner: endpoints, keys, what is on, and two requests to copy."""
     a, h, key = r.a, r.host, r.admin_key
     demo_banner = "\n  DEMO    random weights: the embeddings mean nothing (docs/operations.md)" if r.demo else ""
-    traces = f"\n  traces  to {a.otlp_endpoint} (sampled {a.otlp_sample_ratio:g})" if a.otlp_endpoint else ""
+    traces = (f"\n  traces  to {a.otlp_endpoint} (sampled {a.otlp_sample_ratio:g}"
+              f"{', with Triton spans' if a.otlp_triton_spans else ''})" if a.otlp_endpoint else "")
     print(f"""
 ready: model '{ENSEMBLE}' (checkpoint {r.checkpoint}){demo_banner}
   HTTP    http://{h}:{a.http_port}  (gateway: KServe v2, OpenAI, TEI; bodies up to {a.max_request_bytes} bytes)
