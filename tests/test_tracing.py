@@ -260,3 +260,10 @@ def test_launcher_traces_triton_only_when_asked(checkpoints, tmp_path, triton_sp
     finally:
         la.close()
         recv.server.shutdown()
+
+
+def test_triton_spans_without_a_collector_is_refused(capsys):
+    from egemma.ops.launcher import parse
+    with pytest.raises(SystemExit) as e:
+        parse(["--otlp-triton-spans"])
+    assert e.value.code == 2 and "--otlp-triton-spans needs --otlp-endpoint" in capsys.readouterr().err

@@ -171,6 +171,8 @@ def parse(argv=None) -> argparse.Namespace:
         a.gpus = parse_gpus(a.gpus, visible_gpus())
     except ValueError as e:
         ap.error(str(e))
+    if a.otlp_triton_spans and not a.otlp_endpoint:
+        ap.error("--otlp-triton-spans needs --otlp-endpoint (the collector Triton's spans go to)")
     a.param = {budget.PARAMETER: str(a.max_request_tokens), **dict(p.split("=", 1) for p in a.param)}
     a.instances = {m: int(n) for m, n in (p.split("=", 1) for p in a.instances)}
     return a
