@@ -196,6 +196,12 @@ class Launcher:
         self.proc = subprocess.Popen([str(a) for a in argv], cwd=cwd, stdout=self._files[0], stderr=self._files[1])
         self.servers: list[int] = []
 
+    def wait_ready(self, timeout=300.0):
+        """Until the launcher printed its ready banner; it must not have exited meanwhile (its stderr says why)."""
+        wait_for(lambda: "ready:" in self.stdout.read_text() or self.proc.poll() is not None, timeout,
+                 "the launcher to print ready")
+        assert self.proc.poll() is None, self.stderr.read_text()[-3000:]
+
     def server_pid(self, timeout=10.0) -> int:
         """The tritonserver the launcher runs now."""
         found = []

@@ -14,7 +14,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from helpers import GOOD, Launcher, assert_close, text_input, wait_for
+from helpers import GOOD, Launcher, assert_close, text_input
 from rawhttp import INFER, request, via_aiohttp
 
 KEY = "k3y-for-the-tests-0123456789"
@@ -39,9 +39,7 @@ def keyed(checkpoints, tmp_path_factory):
                    "--triton-http-port", ports["triton_http"], "--api-key-file", d / "key", "--gateway-workers", "1"],
                   d / "launcher")
     try:
-        wait_for(lambda: "ready:" in la.stdout.read_text() or la.proc.poll() is not None, 300,
-                 "the launcher to print ready")
-        assert la.proc.poll() is None, la.stderr.read_text()[-3000:]
+        la.wait_ready()
         la.server_pid()
         la.ports, la.url, la.run_dir = ports, f"http://127.0.0.1:{ports['http']}", d / "run"
         yield la

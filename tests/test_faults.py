@@ -68,8 +68,7 @@ def served(checkpoints, tmp_path):
                    ports[1], "--metrics-port", ports[2], "--gateway-workers", "1", "--param", "deterministic=true"],
                   tmp_path / "launcher")
     try:
-        wait_for(lambda: "ready:" in la.stdout.read_text() or la.proc.poll() is not None, 300, "ready")
-        assert la.proc.poll() is None, la.stderr.read_text()[-3000:]
+        la.wait_ready()
         la.url, la.grpc = f"http://127.0.0.1:{ports[0]}", f"127.0.0.1:{ports[1]}"
         yield la
     finally:

@@ -17,12 +17,13 @@ from egemma.ops.host import cuda_numbered, default_instances, parse_gpus, tokeni
 from egemma.ops.repository import REPO, render_repository
 from egemma.spec import ENCODER, ENSEMBLE, MAX_BATCH, TOKENIZER
 from helpers import ROOT, text_input
+
 PARAMETER = re.compile(r'parameters \{ key: "(\w+)" value: \{ string_value: "([^"]*)" \} \}')
 
 
 def _groups(repo):
     return {m: (repo / m / "config.pbtxt").read_text().split("instance_group ", 1)[1].split("\n", 1)[0]
-            for m in ("embeddinggemma_encoder", "embeddinggemma_tokenizer")}
+            for m in (ENCODER, TOKENIZER)}
 
 
 @pytest.mark.parametrize("gpus, instances, encoder", [
@@ -30,14 +31,14 @@ def _groups(repo):
     ([], {ENCODER: 1}, "[ { count: 1 kind: KIND_MODEL } ]"),
     ([0], {}, "[ { count: 3 kind: KIND_GPU gpus: [ 0 ] } ]"),
     ([0, 1, 3], {}, "[ { count: 3 kind: KIND_GPU gpus: [ 0, 1, 3 ] } ]"),
-    ([0, 1], {ENCODER: 4, "embeddinggemma_tokenizer": 8}, "[ { count: 4 kind: KIND_GPU gpus: [ 0, 1 ] } ]"),
+    ([0, 1], {ENCODER: 4, TOKENIZER: 8}, "[ { count: 4 kind: KIND_GPU gpus: [ 0, 1 ] } ]"),
 ])
 def test_encoder_instance_group_for_0_1_and_several_gpus(checkpoints, tmp_path, gpus, instances, encoder):
     repo = render_repository(tmp_path / "repo", checkpoints["eos"], instances=instances, gpus=gpus)
     got = _groups(repo)
     assert got[ENCODER] == encoder
-    tokenizers = instances.get("embeddinggemma_tokenizer", 4)
-    assert got["embeddinggemma_tokenizer"] == f"[ {{ count: {tokenizers} kind: KIND_CPU }} ]"  # never placed
+    tokenizers = instances.get(TOKENIZER, 4)
+    assert got[TOKENIZER] == f"[ {{ count: {tokenizers} kind: KIND_CPU }} ]"  # never placed
     again = _groups(render_repository(tmp_path / "again", checkpoints["eos"], src=repo, gpus=[2]))[ENCODER]
     assert again == (encoder if gpus else encoder.replace("KIND_MODEL", "KIND_GPU gpus: [ 2 ]"))  # placed once
 
@@ -77,7 +78,7 @@ def test_the_repository_counts_are_the_hosts_defaults():
     measured host (16 cores, one GPU): Triton needs a count in config.pbtxt, egemma.ops.host owns its value."""
     counts = {m: int(g.split("count: ")[1].split()[0]) for m, g in _groups(REPO).items()}
     assert counts == default_instances(True, 16, 1)
-    assert default_instances(False, 16, 1) == {ENCODER: 1, "embeddinggemma_tokenizer": 2}
+    assert default_instances(False, 16, 1) == {ENCODER: 1, TOKENIZER: 2}
 
 
 def test_the_repository_batch_is_the_products():
@@ -212,7 +213,7 @@ def test_served_instances_log_their_device_and_stamp_heartbeats(server):
     lines = [line for line in log.splitlines() if "egemma: encoder instance" in line]
     assert len(lines) == len(encoders) >= 1, lines
     assert all(line.rstrip().endswith((" on cpu", " on cuda:0")) for line in lines), lines
-    tokenizers = [m for m in stub_pids(server.proc.pid).values() if "embeddinggemma_tokenizer" in m]
+    tokenizers = [m for m in stub_pids(server.proc.pid).values() if TOKENIZER in m]
     lines = [line for line in log.splitlines() if "egemma: tokenizer backend" in line]
     assert len(lines) == len(tokenizers) >= 1 and all("backend c (egemma/kernels/bpe.c" in line for line in lines), \
         lines
@@ -220,5 +221,5 @@ def test_served_instances_log_their_device_and_stamp_heartbeats(server):
     assert set(beats) >= {"embeddinggemma_encoder_0_0", "embeddinggemma_tokenizer_0_0"}, beats
     assert {pid for _, _, pid, _ in beats.values()} <= set(stub_pids(server.proc.pid))
     assert all(end >= begin for begin, end, *_ in beats.values()), beats  # none left inside an execute
-    for model in (ENCODER, "embeddinggemma_tokenizer"):  # the request went through one instance of each
+    for model in (ENCODER, TOKENIZER):  # the request went through one instance of each
         assert any(begin > 0 for name, (begin, *_) in beats.items() if name.startswith(model + "_")), beats

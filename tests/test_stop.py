@@ -52,9 +52,7 @@ def launch(checkpoints, tmp_path):
         la.ports, la.run_dir = ports, run_dir or tmp_path / f"run{len(started)}"
         started.append(la)
         if wait:
-            wait_for(lambda: "ready:" in la.stdout.read_text() or la.proc.poll() is not None, 300,
-                     "the launcher to print ready")
-            assert la.proc.poll() is None, la.stderr.read_text()[-3000:]
+            la.wait_ready()
         return la
     yield start
     for la in started:
