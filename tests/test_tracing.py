@@ -239,24 +239,34 @@ def test_triton_says_once_that_its_collector_is_unreachable(start_server, tmp_pa
 
 @pytest.mark.parametrize("triton_spans", [False, True], ids=["default", "otlp-triton-spans"])
 def test_launcher_traces_triton_only_when_asked(checkpoints, tmp_path, triton_spans):
-    """The launcher with --otlp-endpoint: the gateway's span of a request arrives; Triton runs with a trace config,
-    and its spans of that request arrive, only with --otlp-triton-spans (traced load crashes Triton 2.51)."""
+    """The launcher with --otlp-endpoint: the gateway's spans of its requests arrive; Triton runs with a trace config,
+    and its spans arrive, only with --otlp-triton-spans (traced load crashes Triton 2.51)."""
     recv, ports = Receiver(), [free_port() for _ in range(4)]
     la = Launcher([sys.executable, "-m", "egemma.ops.launcher", "--model", checkpoints["eos"], "--run-dir",
                    tmp_path / "run", "--http-port", ports[0], "--grpc-port", ports[1], "--metrics-port", ports[2],
                    "--triton-http-port", ports[3], "--gateway-workers", "1", "--otlp-endpoint", recv.url,
                    *(["--otlp-triton-spans"] if triton_spans else [])], tmp_path / "launcher")
     try:
-        wait_for(lambda: "ready:" in la.stdout.read_text() or la.proc.poll() is not None, 300, "the launcher")
-        assert la.proc.poll() is None, la.stderr.read_text()[-3000:]
-        trace_id = os.urandom(16).hex()
-        r = requests.post(f"http://127.0.0.1:{ports[0]}/v1/embeddings", json={"input": "x"}, timeout=60,
-                          headers={"traceparent": f"00-{trace_id}-{os.urandom(8).hex()}-01"})
-        assert r.status_code == 200, r.text
+        la.wait_ready()
+        # a few traced requests: Triton 2.51 now and then exports none of a traced request's spans (2 in 120
+        # requests straight to its gRPC, 2026-12-06), so its spans are asked of one of them
+        trace_ids = [os.urandom(16).hex() for _ in range(3)]
+        for trace_id in trace_ids:
+            r = requests.post(f"http://127.0.0.1:{ports[0]}/v1/embeddings", json={"input": "x"}, timeout=60,
+                              headers={"traceparent": f"00-{trace_id}-{os.urandom(8).hex()}-01"})
+            assert r.status_code == 200, r.text
         traced = any(a.startswith("--trace-config") for a in argv(la.server_pid()))
         assert traced == triton_spans
-        services = {"egemma-gateway", "egemma-triton"} if triton_spans else {"egemma-gateway"}
-        wait_for(lambda: {svc for svc, _ in recv.trace(trace_id)} >= services, 60, f"spans of {services}")
+
+        def arrived():
+            services = [{svc for svc, _ in recv.trace(t)} for t in trace_ids]
+            return (all("egemma-gateway" in s for s in services)
+                    and (not triton_spans or any("egemma-triton" in s for s in services)))
+        try:
+            wait_for(arrived, 60, "the gateway's spans" + (" and Triton's" if triton_spans else ""))
+        except AssertionError as e:
+            got = [(svc, s.trace_id.hex(), s.name) for svc, s in recv.spans]
+            raise AssertionError(f"{e}; traces {trace_ids}, received {got}") from None
     finally:
         la.close()
         recv.server.shutdown()
